@@ -1,0 +1,3 @@
+from kvctl.cli.app import main
+
+main()

@@ -1,0 +1,1 @@
+"""The command layer: parse options, call kvctl.core / kvctl.clients, render with kvctl.output."""

@@ -1,0 +1,128 @@
+"""The root of the `kvctl` command: global options, command groups, error handling, exit codes."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from typing import Annotated
+
+import typer
+
+from kvctl import __version__
+from kvctl.cli import completion, config, version
+from kvctl.core.errors import EXIT_CODE_MEANINGS, ExitCode, KvctlError
+from kvctl.cli.options import OutputFormat
+from kvctl.output import Output
+
+EPILOG = "Exit codes: " + ", ".join(f"{int(code)} {meaning}" for code, meaning in EXIT_CODE_MEANINGS.items()) + "."
+
+app = typer.Typer(
+    name="kvctl",
+    help="Operate the KV cache of vLLM + LMCache: config, serve, lookup, pin, prewarm, evict.",
+    epilog=EPILOG,
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    rich_markup_mode="rich",
+)
+app.add_typer(config.app, name="config")
+app.command("version")(version.version)
+app.add_typer(completion.app, name="completion")
+app.command("complete-values", hidden=True)(completion.complete_values)
+
+# Options that belong to the root but that users type anywhere ("kvctl config validate x --format json").
+GLOBAL_FLAGS = ("--debug", "-q", "--quiet")
+GLOBAL_VALUED = ("--format",)
+
+
+@app.callback()
+def root(
+    ctx: typer.Context,
+    output_format: Annotated[
+        OutputFormat | None,
+        typer.Option("--format", help="Output format: table (default on a terminal) or json (default when piped).",
+                     case_sensitive=False),
+    ] = None,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks of errors (also KVCTL_DEBUG=1).")] = False,
+    quiet: Annotated[bool, typer.Option("-q", "--quiet", help="Only data on stdout and errors on stderr.")] = False,
+    show_completion: Annotated[
+        bool, typer.Option("--show-completion", help="Print the completion script for your shell.", is_eager=True,
+                           callback=completion.show_completion_callback, expose_value=False),
+    ] = False,
+    install_completion: Annotated[
+        bool, typer.Option("--install-completion", help="Install completion for your shell.", is_eager=True,
+                           callback=completion.install_completion_callback, expose_value=False),
+    ] = False,
+) -> None:
+    ctx.obj = Output(output_format.value if output_format else None, quiet=quiet)
+
+
+def hoist_global_options(argv: list[str]) -> list[str]:
+    """Move global options typed after a sub-command to the front, where Typer expects them."""
+    front: list[str] = []
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            rest.extend(argv[i:])
+            break
+        if arg in GLOBAL_FLAGS:
+            front.append(arg)
+        elif arg in GLOBAL_VALUED and i + 1 < len(argv):
+            front.extend(argv[i : i + 2])
+            i += 1
+        elif arg.split("=", 1)[0] in GLOBAL_VALUED:
+            front.append(arg)
+        else:
+            rest.append(arg)
+        i += 1
+    return front + rest
+
+
+def run(argv: list[str]) -> int:
+    """Run kvctl with `argv` and return the exit code; errors are rendered, never raised."""
+    debug = "--debug" in argv or os.environ.get("KVCTL_DEBUG", "") not in ("", "0")
+    errors = Output(quiet=False)
+    try:
+        command = typer.main.get_command(app)
+        result = command.main(args=hoist_global_options(argv), prog_name="kvctl", standalone_mode=False)
+        return int(result) if isinstance(result, int) else ExitCode.OK
+    except KvctlError as error:
+        if debug:
+            traceback.print_exc()
+        errors.error(error.message, error.hint)
+        return error.exit_code
+    except typer.Exit as done:
+        return done.exit_code
+    except typer.Abort:
+        errors.error("aborted")
+        return ExitCode.ERROR
+    except KeyboardInterrupt:
+        errors.error("interrupted")
+        return ExitCode.INTERRUPTED
+    except Exception as error:  # noqa: BLE001 - the last line of defence: one line, no traceback
+        if _is_click_exception(error):
+            context = getattr(error, "ctx", None)
+            path = context.command_path if context is not None else "kvctl"
+            errors.error(error.format_message(), hint=f"see '{path} --help'")
+            return error.exit_code
+        if debug:
+            traceback.print_exc()
+        errors.error(f"unexpected {type(error).__name__}: {error}",
+                     hint="rerun with --debug for the traceback, and report it if it is a kvctl bug")
+        return ExitCode.ERROR
+
+
+def _is_click_exception(error: Exception) -> bool:
+    """Click's exceptions (vendored by Typer) carry their own message and exit code."""
+    return hasattr(error, "format_message") and isinstance(getattr(error, "exit_code", None), int)
+
+
+def main() -> None:
+    sys.exit(run(sys.argv[1:]))
+
+
+__all__ = ["app", "main", "run", "__version__"]

@@ -1,0 +1,145 @@
+"""Shell completion: static scripts rendered from the command tree, and the dynamic-value hook."""
+
+from __future__ import annotations
+
+import os
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvctl.cli.options import Shell
+from kvctl.core.errors import UsageError
+
+app = typer.Typer(help="Shell completion scripts for bash, zsh and fish.", no_args_is_help=True)
+
+EVERYWHERE = ("--format", "--debug", "-q", "--quiet")  # root options that kvctl accepts after any command
+ROOT_ONLY = ("--show-completion", "--install-completion")
+DYNAMIC_VALUES = {"--model": "models"}
+VALUE_KINDS = ("models",)
+HELP = ("-h", "--help")
+
+
+def command_specs():
+    """The CLI as the completion renderers see it, read from the Typer app itself."""
+    from kvctl.cli.app import app as root_app
+    from kvctl.core.completion_scripts import CommandSpec, OptionSpec
+
+    def value_kind(param) -> tuple[tuple[str, ...], str | None]:
+        """(choices, "file"/"dir"/None) from Typer's description of the parameter's type."""
+        annotation = param.type_descriptor.annotation
+        if isinstance(annotation, type) and issubclass(annotation, Enum):
+            return tuple(member.value for member in annotation), None
+        if annotation is Path:
+            return (), "dir" if param.type_descriptor.parameter_info.file_okay is False else "file"
+        return (), None
+
+    def option_spec(param) -> OptionSpec:
+        names = tuple(param.opts) + tuple(param.secondary_opts) if param.param_type_name == "option" else ()
+        choices, paths = value_kind(param)
+        return OptionSpec(
+            names=names,
+            help=(param.help or "").split("\n")[0].strip(),
+            takes_value=not getattr(param, "is_flag", False),
+            choices=choices,
+            paths=paths,
+            dynamic=next((DYNAMIC_VALUES[name] for name in names if name in DYNAMIC_VALUES), None),
+        )
+
+    root = typer.main.get_command(root_app)
+    root_options = [option_spec(p) for p in root.params if p.param_type_name == "option" and not p.hidden]
+    shared = [spec for spec in root_options if set(spec.names) & set(EVERYWHERE)]
+    help_spec = OptionSpec(HELP, "Show help and exit.")
+    specs = []
+
+    def walk(command, path: str) -> None:
+        options = [option_spec(p) for p in command.params if p.param_type_name == "option" and not p.hidden]
+        if path:
+            options += shared
+        options.append(help_spec)
+        subcommands = {name: sub.get_short_help_str(limit=70) for name, sub in getattr(command, "commands", {}).items()
+                       if not sub.hidden}
+        argument = next((option_spec(p) for p in command.params if p.param_type_name == "argument"), None)
+        specs.append(CommandSpec(path, command.help.split("\n")[0] if command.help else "", options, subcommands,
+                                 argument))
+        for name, sub in getattr(command, "commands", {}).items():
+            if not sub.hidden:
+                walk(sub, f"{path} {name}".strip())
+
+    walk(root, "")
+    return specs
+
+
+def render(shell: str) -> str:
+    from kvctl.core.completion_scripts import RENDERERS
+
+    return RENDERERS[shell](command_specs())
+
+
+def detect_shell() -> str:
+    name = os.path.basename(os.environ.get("SHELL", ""))
+    if name not in ("bash", "zsh", "fish"):
+        raise UsageError(f"cannot tell which shell to complete for (SHELL={name or 'unset'})",
+                         hint="name it: kvctl completion show bash|zsh|fish")
+    return name
+
+
+def install_script(shell: str) -> Path:
+    """Write the script where the shell finds it; add one line to the rc file when the shell needs it."""
+    home = Path(os.path.expanduser("~"))
+    if shell == "fish":
+        target, rc_file, rc_line = home / ".config/fish/completions/kvctl.fish", None, None
+    elif shell == "zsh":
+        target, rc_file = home / ".zfunc/_kvctl", home / ".zshrc"
+        rc_line = "fpath+=~/.zfunc; autoload -Uz compinit && compinit"
+    else:
+        target, rc_file, rc_line = home / ".bash_completions/kvctl.sh", home / ".bashrc", "source ~/.bash_completions/kvctl.sh"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(render(shell))
+    if rc_file is not None:
+        existing = rc_file.read_text() if rc_file.exists() else ""
+        if rc_line not in existing:
+            with rc_file.open("a") as handle:
+                handle.write(("" if existing.endswith("\n") or not existing else "\n") + rc_line + "\n")
+    return target
+
+
+@app.command("show")
+def show(ctx: typer.Context, shell: Annotated[Shell | None, typer.Argument(help="bash, zsh or fish (default: "
+                                                                            "from $SHELL).")] = None) -> None:
+    """Print the completion script (the same text as completions/ in kvctl's repository)."""
+    ctx.obj.text(render(shell.value if shell else detect_shell()))
+
+
+@app.command("install")
+def install(ctx: typer.Context, shell: Annotated[Shell | None, typer.Argument(help="bash, zsh or fish (default: "
+                                                                               "from $SHELL).")] = None) -> None:
+    """Install the completion script for your shell (takes effect in a new shell)."""
+    chosen = shell.value if shell else detect_shell()
+    target = install_script(chosen)
+    ctx.obj.emit({"shell": chosen, "path": str(target)}, [])
+    ctx.obj.success(f"installed {chosen} completion in {target}; open a new shell to use it")
+
+
+def show_completion_callback(ctx: typer.Context, value: bool) -> None:
+    if value and not ctx.resilient_parsing:
+        print(render(detect_shell()), end="")
+        raise typer.Exit()
+
+
+def install_completion_callback(ctx: typer.Context, value: bool) -> None:
+    if value and not ctx.resilient_parsing:
+        shell = detect_shell()
+        target = install_script(shell)
+        print(f"installed {shell} completion in {target}; open a new shell to use it", file=__import__("sys").stderr)
+        raise typer.Exit()
+
+
+def complete_values(kind: Annotated[str, typer.Argument()], prefix: Annotated[str, typer.Argument()] = "") -> None:
+    """Candidates for a dynamic value, one per line (called by the completion scripts)."""
+    from kvctl.core.paths import model_dir_candidates
+
+    if kind == "models":
+        for candidate in model_dir_candidates(prefix):
+            print(candidate)

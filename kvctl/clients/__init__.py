@@ -1,0 +1,1 @@
+"""One small client per server kvctl talks to; no Typer, no Rich."""

@@ -1,0 +1,1 @@
+"""kvctl's logic: no Typer, no Rich, nothing heavy imported at module level."""

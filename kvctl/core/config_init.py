@@ -1,0 +1,333 @@
+"""`kvctl config init`: LMCache + vLLM configuration that kvctl's management commands can work with.
+
+Whatever the user picks, the result always has: the internal API server on 127.0.0.1 (in-process),
+a fixed PYTHONHASHSEED and an explicit chunk-hash algorithm (so keys can be recomputed outside
+the serving process), a stable instance id, and never the run_script API.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvctl import __version__
+from kvctl.core import platform
+from kvctl.core.errors import KvctlError, UsageError
+from kvctl.core.lmcache_config import (
+    CONFIG_FILE,
+    ENV_FILE,
+    HASH_SEED,
+    INPROCESS_CONNECTOR,
+    INPROCESS_HASH_ALGORITHMS,
+    KV_TRANSFER_FILE,
+    MP_CONNECTOR,
+    MP_HASH_ALGORITHMS,
+)
+from kvctl.core.lmcache_schema import inprocess_keys
+from kvctl.core.tiers import TierSpec
+
+DEFAULT_CHUNK_SIZE = 256
+DEFAULT_INTERNAL_API_PORT_START = 6999
+DEFAULT_MP_PORT = 5555
+DEFAULT_MP_HTTP_PORT = 8080
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass
+class ConfigRequest:
+    mode: str = "inprocess"
+    tiers: list[TierSpec] = field(default_factory=list)
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    hash_algorithm: str | None = None
+    internal_api_port_start: int = DEFAULT_INTERNAL_API_PORT_START
+    mp_port: int = DEFAULT_MP_PORT
+    mp_http_port: int = DEFAULT_MP_HTTP_PORT
+    model: str | None = None
+    instance_id: str | None = None
+    platform: str | None = None
+
+
+@dataclass
+class GeneratedConfig:
+    mode: str
+    lmcache: dict[str, Any]
+    kv_transfer: dict[str, Any]
+    env: dict[str, str]
+    notes: list[str]
+
+    def render(self, config_dir: Path) -> dict[str, str]:
+        """File name -> text of the three files."""
+        return {
+            CONFIG_FILE: _render_yaml(self, config_dir),
+            KV_TRANSFER_FILE: json.dumps(self.kv_transfer, indent=2) + "\n",
+            ENV_FILE: _render_env(self),
+        }
+
+
+def default_tiers(out_dir: Path) -> list[TierSpec]:
+    """CPU plus a disk tier under the configuration directory, both sized from this machine."""
+    return [TierSpec("cpu"), TierSpec("disk", path=str(out_dir / "disk-cache"))]
+
+
+def instance_id_for(out_dir: Path) -> str:
+    """A stable id from the directory name, so regenerating the same config keeps the same id."""
+    name = re.sub(r"[^A-Za-z0-9_-]+", "-", out_dir.resolve().name).strip("-") or "default"
+    return f"kvctl-{name}"
+
+
+def build_config(request: ConfigRequest, out_dir: Path) -> GeneratedConfig:
+    out_dir = out_dir.expanduser().absolute()
+    tiers = request.tiers or default_tiers(out_dir)
+    _check_tiers(tiers)
+    block = platform.vllm_block_size(request.platform)
+    if request.chunk_size <= 0 or request.chunk_size % block:
+        raise UsageError(
+            f"chunk size {request.chunk_size} is not a multiple of vLLM's block size {block} on this platform",
+            hint=f"use --chunk-size {max(block, request.chunk_size // block * block)} or another multiple of {block}",
+        )
+    instance_id = request.instance_id or instance_id_for(out_dir)
+    if request.mode == "mp":
+        return _build_mp(request, tiers, instance_id)
+    return _build_inprocess(request, tiers, instance_id, out_dir)
+
+
+def _check_tiers(tiers: list[TierSpec]) -> None:
+    names = [tier.name for tier in tiers]
+    for name in ("cpu", "redis"):
+        if names.count(name) > 1:
+            raise UsageError(f"--tier {name} given more than once", hint=f"give one {name} tier")
+    if names.count("disk") > 1 and len({tier.size_gb for tier in tiers if tier.name == "disk"}) > 1:
+        raise UsageError("disk tiers with different sizes", hint="LMCache has one disk budget: give one size")
+
+
+def _sized(tier: TierSpec) -> float:
+    if tier.size_gb is not None:
+        return tier.size_gb
+    return platform.default_cpu_tier_gb() if tier.name == "cpu" else platform.default_disk_tier_gb(tier.path or ".")
+
+
+def _build_inprocess(request: ConfigRequest, tiers: list[TierSpec], instance_id: str, out_dir: Path) -> GeneratedConfig:
+    algorithm = request.hash_algorithm or "sha256_cbor"
+    if algorithm not in INPROCESS_HASH_ALGORITHMS:
+        raise UsageError(f"hash algorithm {algorithm!r} is not one LMCache's in-process mode accepts",
+                         hint=f"use one of {', '.join(INPROCESS_HASH_ALGORITHMS)}")
+    cpu = next((tier for tier in tiers if tier.name == "cpu"), None)
+    disks = [tier for tier in tiers if tier.name == "disk"]
+    redis = next((tier for tier in tiers if tier.name == "redis"), None)
+    values: dict[str, Any] = {"chunk_size": request.chunk_size}
+    # The CPU tier is always created on workers (other tiers stage through it); without --tier cpu
+    # it gets the smallest useful size.
+    values["local_cpu"] = True
+    values["max_local_cpu_size"] = _sized(cpu) if cpu else 0.5
+    if disks:
+        values["local_disk"] = ",".join("file://" + str(Path(tier.path).expanduser().absolute()) + "/" for tier in disks)
+        values["max_local_disk_size"] = _sized(disks[0])
+    if redis:
+        values["remote_url"] = redis.redis.url()
+        values["remote_serde"] = "naive"
+    values.update({
+        "save_unfull_chunk": False,
+        "pre_caching_hash_algorithm": algorithm,
+        "lmcache_instance_id": instance_id,
+        "internal_api_server_enabled": True,
+        "internal_api_server_host": LOOPBACK,
+        "internal_api_server_port_start": request.internal_api_port_start,
+        "run_script_api_enabled": False,
+    })
+    schema = inprocess_keys()
+    env = {"PYTHONHASHSEED": HASH_SEED, **_model_env(request)}
+    env.update({schema[key]["env"]: _env_text(value) for key, value in values.items()})
+    kv_transfer = {"kv_connector": INPROCESS_CONNECTOR, "kv_role": "kv_both"}
+    notes = []
+    if not cpu:
+        notes.append("no --tier cpu given: LMCache still needs a CPU staging tier, sized at 0.5 GB")
+    return GeneratedConfig("inprocess", values, kv_transfer, env, notes)
+
+
+def _build_mp(request: ConfigRequest, tiers: list[TierSpec], instance_id: str) -> GeneratedConfig:
+    algorithm = request.hash_algorithm or "blake3"
+    if algorithm not in MP_HASH_ALGORITHMS:
+        raise UsageError(f"hash algorithm {algorithm!r} is not one the LMCache MP server accepts",
+                         hint=f"use one of {', '.join(MP_HASH_ALGORITHMS)}")
+    cpu = next((tier for tier in tiers if tier.name == "cpu"), None)
+    adapters: list[dict[str, Any]] = []
+    notes = []
+    for tier in tiers:
+        if tier.name == "disk":
+            adapters.append({"type": "fs", "base_path": str(Path(tier.path).expanduser().absolute())})
+            if tier.size_gb is not None:
+                notes.append(f"the MP server's fs L2 adapter has no size budget; {tier.size_gb} GB for "
+                             f"{tier.path} is not enforced")
+        elif tier.name == "redis":
+            adapters.append(_resp_adapter(tier))
+    values: dict[str, Any] = {
+        "host": LOOPBACK,
+        "port": request.mp_port,
+        "http_host": LOOPBACK,
+        "http_port": request.mp_http_port,
+        "chunk_size": request.chunk_size,
+        "hash_algorithm": algorithm,
+        "l1_size_gb": _sized(cpu) if cpu else platform.default_cpu_tier_gb(),
+        "eviction_policy": "LRU",
+        # vLLM on CPU resolves the connector's transfer mode to engine-driven; `auto` serves both.
+        "supported_transfer_mode": "auto",
+        "instance_id": instance_id,
+    }
+    if platform.platform_name() == "cpu":
+        values["l1_use_lazy"] = False  # lazy L1 needs pinnable memory, which a CPU-only machine lacks
+    if adapters:
+        values["l2_adapter"] = adapters
+    extra = {
+        "lmcache.mp.host": f"tcp://{LOOPBACK}",
+        "lmcache.mp.port": request.mp_port,
+        "lmcache.mp.hash_algorithm": algorithm,
+    }
+    kv_transfer = {"kv_connector": MP_CONNECTOR, "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    return GeneratedConfig("mp", values, kv_transfer, {"PYTHONHASHSEED": HASH_SEED, **_model_env(request)}, notes)
+
+
+def _model_env(request: ConfigRequest) -> dict[str, str]:
+    """The model kvctl's own commands use by default for this configuration."""
+    return {"KVCTL_MODEL": request.model} if request.model else {}
+
+
+def _resp_adapter(tier: TierSpec) -> dict[str, Any]:
+    url = tier.redis
+    if url.scheme != "redis" or len(url.hosts) != 1 or url.db:
+        raise UsageError(
+            f"the MP server's Redis adapter (resp) takes one plain redis://host:port, not {url.url(redact=True)}",
+            hint="use redis://[user:pass@]host:port in --mode mp, or --mode inprocess for TLS, sentinel, cluster or a db",
+        )
+    adapter: dict[str, Any] = {"type": "resp", "host": url.hosts[0][0], "port": url.hosts[0][1]}
+    if url.username:
+        adapter["username"] = url.username
+    if url.password:
+        adapter["password"] = url.password
+    return adapter
+
+
+def mp_server_argv(values: dict[str, Any]) -> list[str]:
+    """`lmcache server` flags for an MP-mode lmcache.yaml (keys are the server's own flag names)."""
+    from kvctl.core.lmcache_schema import mp_server_flags
+
+    flags = mp_server_flags()
+    argv: list[str] = []
+    for key, value in values.items():
+        spec = flags[key]
+        flag = spec["flag"]
+        if spec["type"] == "bool":
+            if spec["negatable"]:
+                argv.append(flag if value else "--no-" + flag[2:])
+            elif value:
+                argv.append(flag)
+            continue
+        items = value if isinstance(value, list) else [value]
+        texts = [json.dumps(item) if isinstance(item, dict) else str(item) for item in items]
+        if spec["repeatable"]:
+            for text in texts:
+                argv += [flag, text]
+        else:
+            argv += [flag, *texts]
+    return argv
+
+
+def _env_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (dict, list)):
+        return json.dumps(value)
+    return str(value)
+
+
+def _yaml_line(key: str, value: Any) -> str:
+    import yaml
+
+    return yaml.safe_dump({key: value}, default_flow_style=False, sort_keys=False, width=1000).rstrip("\n")
+
+
+INPROCESS_COMMENTS = {
+    "chunk_size": "tokens per chunk; part of every chunk key",
+    "max_local_cpu_size": "GB of host memory for the CPU tier",
+    "local_disk": "disk tier directory (file names are the chunk keys)",
+    "max_local_disk_size": "GB budget of the disk tier (0 would silently disable it)",
+    "remote_url": "Redis tier",
+    "save_unfull_chunk": "false: the last partial chunk of a prompt is not stored",
+    "pre_caching_hash_algorithm": "explicit, so kvctl can recompute chunk keys (with PYTHONHASHSEED from env.sh)",
+    "lmcache_instance_id": "stable id (LMCache would pick a random one per start)",
+    "internal_api_server_enabled": "kvctl's management commands talk to this server",
+    "internal_api_server_host": "loopback only",
+    "internal_api_server_port_start": "scheduler = start, worker r = start + 1 + r",
+    "run_script_api_enabled": "never: /run_script executes arbitrary code",
+}
+
+
+def _render_yaml(generated: GeneratedConfig, config_dir: Path) -> str:
+    header = [f"# Generated by kvctl {__version__} (kvctl config init) for LMCache 0.5.6."]
+    if generated.mode == "inprocess":
+        header += [
+            "# In-process mode: vLLM's LMCacheConnectorV1 reads this file through LMCACHE_CONFIG_FILE.",
+            f"# Use: PYTHONHASHSEED={HASH_SEED} LMCACHE_CONFIG_FILE={config_dir / CONFIG_FILE} \\",
+            f"#        vllm serve MODEL --kv-transfer-config \"$(cat {config_dir / KV_TRANSFER_FILE})\"",
+            f"# ({config_dir / ENV_FILE} sets the same values as environment variables instead.)",
+            "# Check: kvctl config validate " + str(config_dir),
+        ]
+        comments = INPROCESS_COMMENTS
+    else:
+        header += [
+            "# Multiprocess mode: settings of `lmcache server`, one key per server flag (kvctl serve",
+            "# turns them into flags); vLLM connects with LMCacheMPConnector (kv-transfer-config.json).",
+            "# Equivalent command:",
+            "#   lmcache server " + shlex.join(mp_server_argv(generated.lmcache)),
+        ]
+        comments = {}
+    for note in generated.notes:
+        header.append(f"# Note: {note}")
+    lines = header + [""]
+    for key, value in generated.lmcache.items():
+        line = _yaml_line(key, value)
+        comment = comments.get(key)
+        lines.append(f"{line}  # {comment}" if comment and "\n" not in line else line)
+    return "\n".join(lines) + "\n"
+
+
+def _render_env(generated: GeneratedConfig) -> str:
+    lines = [
+        f"# Generated by kvctl {__version__} (kvctl config init). Source it before starting vLLM / LMCache:",
+        "#   source env.sh",
+        "# PYTHONHASHSEED must be the same in every process that computes chunk keys.",
+    ]
+    if generated.mode == "inprocess":
+        lines.append("# The LMCACHE_* variables are lmcache.yaml as environment variables: use one or the other.")
+    lines += [f"export {name}={shlex.quote(value)}" for name, value in generated.env.items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_files(files: dict[str, str], out_dir: Path, force: bool) -> list[Path]:
+    """Write all files atomically (temp file + rename); refuse to replace any without `force`."""
+    out_dir = out_dir.expanduser()
+    targets = [out_dir / name for name in files]
+    existing = [path for path in targets if path.exists()]
+    if existing and not force:
+        raise KvctlError(
+            f"{', '.join(str(path) for path in existing)} already exist{'s' if len(existing) == 1 else ''}",
+            hint="pass --force to replace them, or choose another --out directory",
+        )
+    if out_dir.exists() and not out_dir.is_dir():
+        raise KvctlError(f"{out_dir} is not a directory", hint="choose another --out directory")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for path, text in zip(targets, files.values()):
+            fd, temp = tempfile.mkstemp(dir=out_dir, prefix=f".{path.name}.")
+            with os.fdopen(fd, "w") as handle:
+                handle.write(text)
+            os.chmod(temp, 0o600 if path.name == ENV_FILE or "password" in text else 0o644)
+            os.replace(temp, path)
+    except OSError as error:
+        raise KvctlError(f"cannot write to {out_dir}: {error.strerror}", hint="check the directory's permissions") from None
+    return targets

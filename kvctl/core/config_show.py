@@ -1,0 +1,78 @@
+"""`kvctl config show`: the values LMCache will run with, and where each came from."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvctl.core.errors import KvctlError
+from kvctl.core.lmcache_config import MP_CONNECTOR, effective_config, locate, read_text, redact
+from kvctl.core.lmcache_schema import inprocess_keys, mp_server_flags
+
+
+@dataclass
+class Settings:
+    mode: str
+    values: dict[str, Any]
+    sources: dict[str, str]
+    problems: list[str] = field(default_factory=list)
+    command: list[str] | None = None
+
+
+def _load_mapping(path: Path, loader: str) -> dict[str, Any]:
+    text = read_text(path)
+    try:
+        if loader == "yaml":
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        else:
+            data = json.loads(text)
+    except Exception as error:  # noqa: BLE001 - yaml.YAMLError or json.JSONDecodeError
+        raise KvctlError(f"cannot parse {path}: {str(error).splitlines()[0]}",
+                         hint=f"run 'kvctl config validate {path}'") from None
+    if not isinstance(data, dict):
+        raise KvctlError(f"{path} is not a mapping of settings", hint=f"run 'kvctl config validate {path}'")
+    return data
+
+
+def effective_settings(target: Path | None, environ: dict[str, str]) -> Settings:
+    yaml_values: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    yaml_source = extra_source = "file"
+    mp = False
+    if target is not None:
+        files = locate(target)
+        if files.yaml_path:
+            yaml_values = _load_mapping(files.yaml_path, "yaml")
+            yaml_source = f"file:{files.yaml_path.name}"
+        if files.kv_transfer_path:
+            kv_transfer = _load_mapping(files.kv_transfer_path, "json")
+            extra = kv_transfer.get("kv_connector_extra_config") or {}
+            extra_source = f"vllm:{files.kv_transfer_path.name}"
+            mp = kv_transfer.get("kv_connector") == MP_CONNECTOR
+        mp = mp or (bool(yaml_values) and not any(key in inprocess_keys() for key in yaml_values)
+                    and any(key in mp_server_flags() for key in yaml_values))
+    if mp:
+        return _mp_settings(yaml_values, yaml_source)
+    effective = effective_config(yaml_values, yaml_source, environ, extra, extra_source)
+    problems = [f"{key} from {source} is ignored: {message}" for key, source, message in effective.problems]
+    values = {key: redact(key, value) for key, value in effective.values.items()}
+    return Settings("inprocess", values, effective.sources, problems)
+
+
+def _mp_settings(yaml_values: dict[str, Any], yaml_source: str) -> Settings:
+    from kvctl.core.config_init import mp_server_argv
+
+    flags = mp_server_flags()
+    values = {key: spec["default"] for key, spec in flags.items()}
+    sources = dict.fromkeys(flags, "default")
+    known = {key: value for key, value in yaml_values.items() if key in flags}
+    values.update(known)
+    sources.update(dict.fromkeys(known, yaml_source))
+    problems = [f"{key} from {yaml_source} is not an lmcache server setting" for key in yaml_values if key not in flags]
+    redacted = {key: redact(key, value) for key, value in values.items()}
+    command = mp_server_argv({key: redact(key, value) for key, value in known.items()})
+    return Settings("mp", redacted, sources, problems, command)

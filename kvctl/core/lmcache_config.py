@@ -1,0 +1,224 @@
+"""LMCache configuration as kvctl reads it: the files `kvctl config init` writes, value
+conversion with LMCache's own rules, and the effective values with where each came from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvctl.core.errors import KvctlError
+from kvctl.core.lmcache_schema import inprocess_keys
+from kvctl.core.tiers import redact_url
+
+MODES = ("inprocess", "mp")
+CONFIG_FILE = "lmcache.yaml"
+KV_TRANSFER_FILE = "kv-transfer-config.json"
+ENV_FILE = "env.sh"
+INPROCESS_CONNECTOR = "LMCacheConnectorV1"
+MP_CONNECTOR = "LMCacheMPConnector"
+# Chunk-hash functions LMCache 0.5.6 accepts: vLLM's named ones, or Python's hash() ("builtin").
+INPROCESS_HASH_ALGORITHMS = ("builtin", "sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+MP_HASH_ALGORITHMS = ("blake3", "builtin", "sha256_cbor")
+HASH_ALGORITHMS = tuple(dict.fromkeys(INPROCESS_HASH_ALGORITHMS + MP_HASH_ALGORITHMS))
+HASH_SEED = "0"
+SECRET_WORDS = ("password", "secret", "token", "api_key", "apikey")
+
+
+class ConversionError(ValueError):
+    """A value that LMCache would reject or silently read differently."""
+
+
+def to_bool(value: Any) -> bool:
+    """LMCache's _to_bool, minus its silent traps: only real booleans and true/false/1/0 pass."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1"):
+        return True
+    if text in ("false", "0"):
+        return False
+    raise ConversionError(f"{value!r} is not a boolean; LMCache reads it as false")
+
+
+def _to_number(value: Any, kind: type) -> int | float:
+    if isinstance(value, bool):
+        raise ConversionError(f"{value!r} is a boolean, not a number")
+    try:
+        number = kind(value) if not isinstance(value, str) else kind(value.strip())
+    except (TypeError, ValueError):
+        raise ConversionError(f"{value!r} is not {'an integer' if kind is int else 'a number'}") from None
+    if kind is int and isinstance(value, float) and value != number:
+        raise ConversionError(f"{value!r} is not an integer; LMCache would truncate it to {number}")
+    return number
+
+
+def _to_list(value: Any, item: str) -> list:
+    items = value if isinstance(value, list) else [part.strip() for part in str(value).split(",") if part.strip()]
+    convert = {"int": lambda v: _to_number(v, int), "float": lambda v: _to_number(v, float), "str": str}[item]
+    return [convert(element) for element in items]
+
+
+def convert_value(key: str, value: Any) -> Any:
+    """Convert a raw value (YAML, env string, JSON) the way LMCache's converter for `key` does."""
+    spec = inprocess_keys()[key]
+    if value is None:
+        if spec["optional"]:
+            return None
+        raise ConversionError("null is not allowed here; LMCache keeps the default instead")
+    kind = spec["type"]
+    if kind == "bool":
+        return to_bool(value)
+    if kind in ("int", "float"):
+        return _to_number(value, int if kind == "int" else float)
+    if kind.startswith("list["):
+        return _to_list(value, kind[5:-1])
+    if kind == "dict":
+        if isinstance(value, dict):
+            return value
+        try:
+            parsed = json.loads(value)
+        except (TypeError, ValueError):
+            raise ConversionError(f"{value!r} is not a JSON object") from None
+        if not isinstance(parsed, dict):
+            raise ConversionError(f"{value!r} is not a JSON object")
+        return parsed
+    if isinstance(value, (dict, list)):
+        raise ConversionError(f"expected a string, got a {type(value).__name__}")
+    if key == "local_disk":  # LMCache's _parse_local_disk: comma list, file:// prefixes dropped
+        return ",".join(part.strip().removeprefix("file://") for part in str(value).split(",") if part.strip()) or None
+    return str(value)
+
+
+def env_value(text: str) -> Any:
+    """An LMCACHE_* environment value before conversion: surrounding quotes stripped, as LMCache does."""
+    stripped = text.strip()
+    if len(stripped) >= 2 and stripped[0] == stripped[-1] and stripped[0] in "'\"":
+        return stripped[1:-1]
+    return stripped
+
+
+def env_key(name: str) -> str | None:
+    """The config key an LMCACHE_* variable sets, or None when it is not a config variable."""
+    if not name.startswith("LMCACHE_"):
+        return None
+    key = name[len("LMCACHE_"):].lower()
+    return key if key in inprocess_keys() else None
+
+
+def redact(key: str, value: Any) -> Any:
+    """The value with passwords and tokens hidden, for showing on a screen or in a log."""
+    if isinstance(value, str):
+        if any(word in key.lower() for word in SECRET_WORDS):
+            return "***" if value else value
+        return redact_url(value) if "://" in value else value
+    if isinstance(value, dict):
+        return {item_key: redact(f"{key}.{item_key}", item) for item_key, item in value.items()}
+    if isinstance(value, list):
+        return [redact(key, item) for item in value]
+    return value
+
+
+# -- files -------------------------------------------------------------------------------------
+
+
+@dataclass
+class ConfigFiles:
+    """The files of one configuration: an LMCache YAML, and optionally the vLLM side and env.sh."""
+
+    yaml_path: Path | None = None
+    kv_transfer_path: Path | None = None
+    env_path: Path | None = None
+    extra: list[Path] = field(default_factory=list)
+
+
+def locate(target: str | os.PathLike) -> ConfigFiles:
+    """Find the configuration files from a directory written by `config init` or a single file."""
+    path = Path(target).expanduser()
+    if path.is_dir():
+        files = ConfigFiles(
+            *(path / name if (path / name).is_file() else None for name in (CONFIG_FILE, KV_TRANSFER_FILE, ENV_FILE))
+        )
+        if files.yaml_path is None and files.kv_transfer_path is None:
+            raise KvctlError(f"no {CONFIG_FILE} or {KV_TRANSFER_FILE} in {path}",
+                             hint=f"create one with 'kvctl config init --out {path}'")
+        return files
+    if not path.exists():
+        raise KvctlError(f"no such file or directory: {path}", hint="give a YAML file or a directory from 'kvctl config init'")
+    if path.suffix == ".json":
+        return ConfigFiles(kv_transfer_path=path)
+    if path.suffix == ".sh":
+        return ConfigFiles(env_path=path)
+    return ConfigFiles(yaml_path=path)
+
+
+def read_text(path: Path) -> str:
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise KvctlError(f"cannot read {path}: {error.strerror}", hint="check the path and its permissions") from None
+    if b"\0" in data:
+        raise KvctlError(f"{path} is a binary file, not a configuration", hint="give the YAML/JSON text file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise KvctlError(f"{path} is not UTF-8 text", hint="save the file as UTF-8") from None
+
+
+def parse_env_file(text: str) -> dict[str, str]:
+    """`export NAME=value` lines of a POSIX shell file (comments and other lines are ignored)."""
+    variables = {}
+    for line in text.splitlines():
+        try:
+            words = shlex.split(line, comments=True)
+        except ValueError:
+            continue
+        if words and words[0] == "export":
+            words = words[1:]
+        for word in words:
+            name, sep, value = word.partition("=")
+            if sep and name.isidentifier():
+                variables[name] = value
+    return variables
+
+
+# -- effective values --------------------------------------------------------------------------
+
+
+@dataclass
+class EffectiveConfig:
+    """Every in-process key with its value and the layer it came from."""
+
+    values: dict[str, Any]
+    sources: dict[str, str]
+    problems: list[tuple[str, str, str]]  # (key, source, message) for values LMCache would not take
+
+
+def effective_config(yaml_values: dict[str, Any], yaml_source: str, environ: dict[str, str],
+                     extra_config: dict[str, Any], extra_source: str) -> EffectiveConfig:
+    """Layer defaults < YAML < LMCACHE_* environment < vLLM `lmcache.*` extra config, as LMCache does."""
+    schema = inprocess_keys()
+    values = {key: spec["default"] for key, spec in schema.items()}
+    sources = dict.fromkeys(schema, "default")
+    problems = []
+    layers = [
+        (yaml_source, yaml_values),
+        ("env", {key: env_value(text) for name, text in environ.items() if (key := env_key(name))}),
+        (extra_source, {name[len("lmcache."):]: value for name, value in extra_config.items()
+                        if name.startswith("lmcache.") and not name.startswith("lmcache.mp.")}),
+    ]
+    for source, layer in layers:
+        for key, raw in layer.items():
+            if key not in schema:
+                continue
+            try:
+                values[key] = convert_value(key, raw)
+            except ConversionError as error:
+                problems.append((key, source, str(error)))
+                continue
+            sources[key] = f"env:{schema[key]['env']}" if source == "env" else source
+    return EffectiveConfig(values, sources, problems)

@@ -1,0 +1,106 @@
+"""The one output sink: data on stdout (Rich tables or stable JSON), everything else on stderr.
+
+Commands build a JSON-able payload plus, for humans, a table view of it; they never print
+directly. Rich is imported on first use so that `--help` and completion stay fast; Rich itself
+honours NO_COLOR and drops styling when the stream is not a terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+FORMATS = ("table", "json")
+
+
+def default_format() -> str:
+    """Tables for a person at a terminal, JSON when stdout is piped."""
+    return "table" if sys.stdout.isatty() else "json"
+
+
+class Output:
+    def __init__(self, fmt: str | None = None, quiet: bool = False) -> None:
+        self.format = fmt or default_format()
+        self.quiet = quiet
+        self._stdout = None
+        self._stderr = None
+
+    @property
+    def json(self) -> bool:
+        return self.format == "json"
+
+    def _console(self, err: bool):
+        from rich.console import Console
+
+        if err:
+            if self._stderr is None:
+                self._stderr = Console(stderr=True, highlight=False, soft_wrap=True)
+            return self._stderr
+        if self._stdout is None:
+            self._stdout = Console(highlight=False, soft_wrap=True)
+        return self._stdout
+
+    # -- data (stdout) ---------------------------------------------------------------------
+
+    def emit(self, payload: Any, tables: Iterable[Table | str] = ()) -> None:
+        """Print the result: `payload` as JSON, or for humans the given tables and lines (Rich markup)."""
+        if self.json:
+            sys.stdout.write(json.dumps(payload, indent=2, sort_keys=False, default=str) + "\n")
+            sys.stdout.flush()
+            return
+        console = self._console(err=False)
+        for item in tables:
+            console.print(item if isinstance(item, str) else item.render())
+
+    def text(self, text: str) -> None:
+        """Raw data for stdout that is not a table (a generated script, a key list)."""
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+        sys.stdout.flush()
+
+    # -- messages (stderr) -----------------------------------------------------------------
+
+    def info(self, message: str) -> None:
+        if not self.quiet:
+            self._console(err=True).print(message, markup=False)
+
+    def success(self, message: str) -> None:
+        if not self.quiet:
+            self._console(err=True).print(f"[green]✓[/green] {escape(message)}")
+
+    def warn(self, message: str) -> None:
+        self._console(err=True).print(f"[yellow]warning:[/yellow] {escape(message)}")
+
+    def error(self, message: str, hint: str | None = None) -> None:
+        console = self._console(err=True)
+        console.print(f"[bold red]error:[/bold red] {escape(message)}")
+        if hint:
+            console.print(f"[cyan]hint:[/cyan] {escape(hint)}")
+
+
+class Table:
+    """A table description that stays plain data until it is rendered."""
+
+    def __init__(self, columns: Sequence[str], rows: Iterable[Sequence[Any]], title: str | None = None,
+                 caption: str | None = None) -> None:
+        self.columns = list(columns)
+        self.rows = [["" if cell is None else str(cell) for cell in row] for row in rows]
+        self.title = title
+        self.caption = caption
+
+    def render(self):
+        from rich.table import Table as RichTable
+
+        table = RichTable(title=self.title, caption=self.caption, title_justify="left", caption_justify="left")
+        for column in self.columns:
+            table.add_column(column, overflow="fold")
+        for row in self.rows:
+            table.add_row(*(escape(cell) for cell in row))
+        return table
+
+
+def escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text)
