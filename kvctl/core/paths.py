@@ -21,9 +21,8 @@ def models_dir() -> Path:
 
 def model_dir_candidates(prefix: str) -> list[str]:
     """Model directories for completion: kvctl's own models, then directories matching `prefix`."""
-    found = []
-    if not prefix or not os.sep in prefix:
-        found += [str(path) for path in sorted(models_dir().glob("*/config.json"))]
-        found = [os.path.dirname(path) for path in found if os.path.dirname(path).startswith(prefix) or not prefix]
-    found += [path + os.sep for path in sorted(glob.glob(os.path.expanduser(prefix) + "*")) if os.path.isdir(path)]
+    own = [str(path.parent) for path in sorted(models_dir().glob("*/config.json"))]
+    found = [directory for directory in own if directory.startswith(prefix)]
+    found += [path + os.sep for path in sorted(glob.glob(os.path.expanduser(prefix) + "*"))
+              if os.path.isdir(path) and path not in own]
     return found

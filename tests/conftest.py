@@ -1,0 +1,58 @@
+from __future__ import annotations
+
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+import pytest
+
+from tests.helpers import VENV_BIN, free_port, start_process, stop_process, wait_until
+
+
+@dataclass
+class RedisServer:
+    port: int
+    password: str | None
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}"
+
+    def client(self):
+        import redis
+
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password)
+
+
+def redis_binary() -> str:
+    found = shutil.which("redis-server") or (str(VENV_BIN / "redis-server") if (VENV_BIN / "redis-server").exists() else None)
+    assert found, "redis-server is missing: run scripts/setup"
+    return found
+
+
+@pytest.fixture
+def start_redis(tmp_path):
+    """Start real redis-server processes on 127.0.0.1 (optionally with a password); all stopped afterwards."""
+    started = []
+
+    def start(password: str | None = None) -> RedisServer:
+        port = free_port()
+        argv = [redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--dir", str(tmp_path)]
+        if password:
+            argv += ["--requirepass", password]
+        proc = start_process(argv, tmp_path / f"redis-{port}.log")
+        started.append(proc)
+        server = RedisServer(port, password)
+        wait_until(lambda: server.client().ping(), 20, "redis-server", proc, tmp_path / f"redis-{port}.log")
+        return server
+
+    yield start
+    for proc in started:
+        stop_process(proc)
+
+
+@pytest.fixture
+def redis_server(start_redis) -> RedisServer:
+    return start_redis()

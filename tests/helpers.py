@@ -1,0 +1,100 @@
+"""Shared test plumbing: run kvctl, find free ports, start and always stop real server processes."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+KVCTL = VENV_BIN / "kvctl"
+# Environment for every LMCache / vLLM process a test starts: quiet, no telemetry, fixed hash seed.
+STACK_ENV = {"LMCACHE_DISABLE_BANNER": "1", "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1",
+             "PYTHONHASHSEED": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+@dataclass
+class Result:
+    code: int
+    stdout: str
+    stderr: str
+
+    def json(self):
+        return json.loads(self.stdout)
+
+
+def run_cli(*args: str) -> Result:
+    """Run kvctl in this process (fast); stdout is not a terminal, so the default format is JSON."""
+    from kvctl.cli.app import run
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = run([str(arg) for arg in args])
+    return Result(int(code), out.getvalue(), err.getvalue())
+
+
+def run_kvctl(*args: str, env: dict | None = None, timeout: float = 300, cwd=None) -> Result:
+    """Run the installed `kvctl` console script as a user would."""
+    done = subprocess.run([str(KVCTL), *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})}, cwd=cwd)
+    return Result(done.returncode, done.stdout, done.stderr)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until(check, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text()[-3000:] if log and log.exists() else ""
+            raise AssertionError(f"{what}: process exited with {proc.returncode}\n{tail}")
+        with contextlib.suppress(Exception):
+            result = check()
+            if result:
+                return result
+        time.sleep(0.2)
+    tail = log.read_text()[-3000:] if log and log.exists() else ""
+    raise AssertionError(f"{what}: not ready after {timeout} s\n{tail}")
+
+
+def start_process(argv: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+    handle = log.open("w")
+    return subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, **STACK_ENV, **(env or {})},
+                            start_new_session=True)
+
+
+def stop_process(proc: subprocess.Popen, grace: float = 10) -> None:
+    """SIGTERM the process group, SIGKILL it after `grace` seconds; never leaves it behind."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    else:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def http_json(method: str, url: str, **kwargs):
+    import httpx
+
+    response = httpx.request(method, url, timeout=10, **kwargs)
+    response.raise_for_status()
+    return json.loads(response.text)
