@@ -1,3 +1,3 @@
-from kvctl.cli.app import main
+from kvctl.cli.entry import main
 
 main()

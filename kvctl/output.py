@@ -7,7 +7,6 @@ honours NO_COLOR and drops styling when the stream is not a terminal.
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -47,6 +46,8 @@ class Output:
     def emit(self, payload: Any, tables: Iterable[Table | str] = ()) -> None:
         """Print the result: `payload` as JSON, or for humans the given tables and lines (Rich markup)."""
         if self.json:
+            import json
+
             sys.stdout.write(json.dumps(payload, indent=2, sort_keys=False, default=str) + "\n")
             sys.stdout.flush()
             return

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import os
-import sys
 import traceback
 from typing import Annotated
 
 import typer
 
-from kvctl import __version__
 from kvctl.cli import completion, config, version
 from kvctl.core.errors import EXIT_CODE_MEANINGS, ExitCode, KvctlError
 from kvctl.cli.options import OutputFormat
@@ -121,8 +119,3 @@ def _is_click_exception(error: Exception) -> bool:
     return hasattr(error, "format_message") and isinstance(getattr(error, "exit_code", None), int)
 
 
-def main() -> None:
-    sys.exit(run(sys.argv[1:]))
-
-
-__all__ = ["app", "main", "run", "__version__"]

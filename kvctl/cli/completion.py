@@ -17,7 +17,6 @@ app = typer.Typer(help="Shell completion scripts for bash, zsh and fish.", no_ar
 EVERYWHERE = ("--format", "--debug", "-q", "--quiet")  # root options that kvctl accepts after any command
 ROOT_ONLY = ("--show-completion", "--install-completion")
 DYNAMIC_VALUES = {"--model": "models"}
-VALUE_KINDS = ("models",)
 HELP = ("-h", "--help")
 
 
@@ -138,8 +137,6 @@ def install_completion_callback(ctx: typer.Context, value: bool) -> None:
 
 def complete_values(kind: Annotated[str, typer.Argument()], prefix: Annotated[str, typer.Argument()] = "") -> None:
     """Candidates for a dynamic value, one per line (called by the completion scripts)."""
-    from kvctl.core.paths import model_dir_candidates
+    from kvctl.core.completion_values import print_values
 
-    if kind == "models":
-        for candidate in model_dir_candidates(prefix):
-            print(candidate)
+    print_values(kind, prefix)

@@ -78,7 +78,7 @@ def default_tiers(out_dir: Path) -> list[TierSpec]:
 def instance_id_for(out_dir: Path) -> str:
     """A stable id from the directory name, so regenerating the same config keeps the same id."""
     name = re.sub(r"[^A-Za-z0-9_-]+", "-", out_dir.resolve().name).strip("-") or "default"
-    return f"kvctl-{name}"
+    return name if name.startswith("kvctl") else f"kvctl-{name}"
 
 
 def build_config(request: ConfigRequest, out_dir: Path) -> GeneratedConfig:

@@ -1,0 +1,25 @@
+# kvctl developer commands. Every target sets up .venv first (quick when it is already there).
+PY := .venv/bin/python
+KVCTL := .venv/bin/kvctl
+
+.PHONY: setup test run bench completions schema
+
+setup:
+	@./scripts/setup
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+run: setup
+	@./scripts/main-job
+
+bench: setup
+	@for bench in benchmarks/*.py; do echo "== $$bench"; $(PY) $$bench || exit 1; done
+
+completions: setup
+	$(KVCTL) completion show bash > completions/kvctl.bash
+	$(KVCTL) completion show zsh > completions/_kvctl
+	$(KVCTL) completion show fish > completions/kvctl.fish
+
+schema: setup
+	$(PY) scripts/gen-lmcache-schema
