@@ -16,6 +16,7 @@ from typing import Any
 
 from kvctl.core import platform
 from kvctl.core.errors import UsageError
+from kvctl.core.keys import MP_BUILTIN_UNREPRODUCIBLE
 from kvctl.core.lmcache_config import (
     HASH_ALGORITHMS,
     INPROCESS_CONNECTOR,
@@ -273,6 +274,9 @@ def _check_mp_yaml(values: dict[str, Any], block: int, collector: _Collector) ->
     if isinstance(chunk, int) and (chunk <= 0 or chunk % block):
         collector.error("chunk_size", f"chunk_size {chunk} is not a positive multiple of vLLM's block size {block}",
                         hint=f"use a multiple of {block}, e.g. {max(block, 256 // block * block)}")
+    if values.get("hash_algorithm") == "builtin":
+        collector.error("hash_algorithm", MP_BUILTIN_UNREPRODUCIBLE + "; nothing stored survives a restart",
+                        hint="use hash_algorithm: blake3 (the default)")
     if "l1_size_gb" in values and "eviction_policy" not in values:
         collector.error("eviction_policy", "l1_size_gb without eviction_policy: the server refuses to start",
                         hint="add eviction_policy: LRU")

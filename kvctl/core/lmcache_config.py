@@ -23,7 +23,7 @@ INPROCESS_CONNECTOR = "LMCacheConnectorV1"
 MP_CONNECTOR = "LMCacheMPConnector"
 # Chunk-hash functions LMCache 0.5.6 accepts: vLLM's named ones, or Python's hash() ("builtin").
 INPROCESS_HASH_ALGORITHMS = ("builtin", "sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
-MP_HASH_ALGORITHMS = ("blake3", "builtin", "sha256_cbor")
+MP_HASH_ALGORITHMS = ("blake3", "sha256_cbor")  # "builtin" keys change with every server process
 HASH_ALGORITHMS = tuple(dict.fromkeys(INPROCESS_HASH_ALGORITHMS + MP_HASH_ALGORITHMS))
 HASH_SEED = "0"
 SECRET_WORDS = ("password", "secret", "token", "api_key", "apikey")

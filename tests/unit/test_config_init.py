@@ -72,7 +72,7 @@ def test_mp_mode_refuses_redis_urls_its_adapter_cannot_use(tmp_path, url):
         build_config(ConfigRequest(mode="mp", tiers=tiers(url)), tmp_path)
 
 
-@pytest.mark.parametrize(("mode", "algorithm"), [("inprocess", "blake3"), ("mp", "xxhash")])
+@pytest.mark.parametrize(("mode", "algorithm"), [("inprocess", "blake3"), ("mp", "xxhash"), ("mp", "builtin")])
 def test_hash_algorithm_must_suit_the_mode(tmp_path, mode, algorithm):
     with pytest.raises(UsageError):
         build_config(ConfigRequest(mode=mode, hash_algorithm=algorithm), tmp_path)

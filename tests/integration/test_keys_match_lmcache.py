@@ -1,0 +1,94 @@
+"""kvctl's chunk keys equal the keys real LMCache code makes, for every hash algorithm and both modes."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvctl.core.keys import (
+    INPROCESS_ALGORITHMS,
+    MP_ALGORITHMS,
+    KeyRecipe,
+    MPKeyRecipe,
+    UnreproducibleKeys,
+    chunk_bounds,
+    inprocess_keys,
+    mp_chunk_hashes,
+)
+from tests.helpers import STACK_ENV
+
+SCRIPT = Path(__file__).parent / "scripts" / "lmcache_keys.py"
+TOKENS = random.Random(7).choices(range(50000), k=700)
+
+
+def lmcache_keys(cases, seed="0", vllm=True):
+    """Keys from real LMCache code in one child process whose PYTHONHASHSEED is `seed` (None: unset)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    env.update({**STACK_ENV, "LMCACHE_LOG_LEVEL": "ERROR"})
+    env.pop("PYTHONHASHSEED")
+    if seed is not None:
+        env["PYTHONHASHSEED"] = seed
+    done = subprocess.run([sys.executable, str(SCRIPT), "1" if vllm else "0", json.dumps(cases)], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def inprocess_case(algorithm, chunk=256, save_unfull=False, model="org/model", world_size=2, dtype="bfloat16"):
+    return {"mode": "inprocess", "algorithm": algorithm, "chunk": chunk, "save_unfull": save_unfull, "model": model,
+            "world_size": world_size, "dtype": dtype, "tokens": TOKENS}
+
+
+def assert_same(case, expected, seed, vllm):
+    for worker, worker_keys in enumerate(expected):
+        recipe = KeyRecipe(case["model"], case["chunk"], case["algorithm"], seed, vllm, case["save_unfull"],
+                           case["world_size"], worker, {"bfloat16": "bfloat16", "float16": "half"}[case["dtype"]])
+        bounds = chunk_bounds(len(TOKENS), case["chunk"], case["save_unfull"])
+        assert [[s, e, k] for (s, e), k in zip(bounds, inprocess_keys(TOKENS, recipe))] == worker_keys, case["algorithm"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", ["0", "12345"])
+def test_inprocess_keys_with_vllm_importable(seed):
+    cases = [inprocess_case(algorithm) for algorithm in INPROCESS_ALGORITHMS]
+    cases.append(inprocess_case("sha256_cbor", chunk=128, save_unfull=True, model="tiny", world_size=1, dtype="float16"))
+    for case, expected in zip(cases, lmcache_keys(cases, seed=seed)):
+        assert len(expected) == case["world_size"] and expected[0]
+        assert_same(case, expected, seed, vllm=True)
+
+
+@pytest.mark.slow
+def test_inprocess_keys_without_vllm():
+    cases = [inprocess_case(algorithm, chunk=128, save_unfull=True, world_size=1) for algorithm in ("builtin", "sha256_cbor")]
+    for case, expected in zip(cases, lmcache_keys(cases, vllm=False)):
+        assert expected[0][-1][:2] == [640, 700]  # the unfull tail is a chunk of its own
+        assert_same(case, expected, "0", vllm=False)
+
+
+@pytest.mark.slow
+def test_keys_of_a_process_without_seed():
+    """sha256 functions fall back to vLLM's fixed seed; builtin keys cannot be reproduced (kvctl says so)."""
+    case = inprocess_case("sha256_cbor")
+    assert_same(case, lmcache_keys([case], seed=None)[0], None, vllm=True)
+
+
+@pytest.mark.slow
+def test_mp_chunk_hashes():
+    cases = [{"mode": "mp", "algorithm": algorithm, "chunk": 256, "tokens": TOKENS} for algorithm in MP_ALGORITHMS]
+    for case, expected in zip(cases, lmcache_keys(cases)):
+        assert len(expected) == 2
+        assert [h.hex() for h in mp_chunk_hashes(TOKENS, MPKeyRecipe("m", 256, case["algorithm"], "0"))] == expected
+
+
+@pytest.mark.slow
+def test_mp_builtin_keys_change_with_every_server_process():
+    """Why kvctl refuses MP `builtin`: LMCache hashes (prefix, tokens, None) and hash(None) is an address."""
+    case = {"mode": "mp", "algorithm": "builtin", "chunk": 256, "tokens": TOKENS}
+    first, second = lmcache_keys([case, case]), lmcache_keys([case])
+    assert first[0] == first[1] and first[0] != second[0]
+    with pytest.raises(UnreproducibleKeys):
+        mp_chunk_hashes(TOKENS, MPKeyRecipe("m", 256, "builtin", "0"))
