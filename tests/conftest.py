@@ -31,26 +31,43 @@ def redis_binary() -> str:
     return found
 
 
-@pytest.fixture
-def start_redis(tmp_path):
-    """Start real redis-server processes on 127.0.0.1 (optionally with a password); all stopped afterwards."""
-    started = []
+class RedisStarter:
+    """Starts real redis-server processes on 127.0.0.1 (optionally with a password) and stops them all."""
 
-    def start(password: str | None = None) -> RedisServer:
+    def __init__(self, directory) -> None:
+        self.directory = directory
+        self.started = []
+
+    def __call__(self, password: str | None = None) -> RedisServer:
         port = free_port()
         argv = [redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                "--dir", str(tmp_path)]
+                "--dir", str(self.directory)]
         if password:
             argv += ["--requirepass", password]
-        proc = start_process(argv, tmp_path / f"redis-{port}.log")
-        started.append(proc)
+        log = self.directory / f"redis-{port}.log"
+        proc = start_process(argv, log)
+        self.started.append(proc)
         server = RedisServer(port, password)
-        wait_until(lambda: server.client().ping(), 20, "redis-server", proc, tmp_path / f"redis-{port}.log")
+        wait_until(lambda: server.client().ping(), 20, "redis-server", proc, log)
         return server
 
-    yield start
-    for proc in started:
-        stop_process(proc)
+    def stop_all(self) -> None:
+        for proc in self.started:
+            stop_process(proc)
+
+
+@pytest.fixture
+def start_redis(tmp_path):
+    starter = RedisStarter(tmp_path)
+    yield starter
+    starter.stop_all()
+
+
+@pytest.fixture(scope="module")
+def module_redis(tmp_path_factory):
+    starter = RedisStarter(tmp_path_factory.mktemp("redis"))
+    yield starter()
+    starter.stop_all()
 
 
 @pytest.fixture

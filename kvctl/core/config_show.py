@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from kvctl.core.errors import KvctlError
-from kvctl.core.lmcache_config import MP_CONNECTOR, effective_config, locate, read_text, redact
-from kvctl.core.lmcache_schema import inprocess_keys, mp_server_flags
+from kvctl.core.lmcache_config import detect_mode, effective_config, locate, read_text, redact
+from kvctl.core.lmcache_schema import mp_server_flags
 
 
 @dataclass
@@ -48,13 +48,11 @@ def effective_settings(target: Path | None, environ: dict[str, str]) -> Settings
         if files.yaml_path:
             yaml_values = _load_mapping(files.yaml_path, "yaml")
             yaml_source = f"file:{files.yaml_path.name}"
-        if files.kv_transfer_path:
-            kv_transfer = _load_mapping(files.kv_transfer_path, "json")
+        kv_transfer = _load_mapping(files.kv_transfer_path, "json") if files.kv_transfer_path else None
+        if kv_transfer is not None:
             extra = kv_transfer.get("kv_connector_extra_config") or {}
             extra_source = f"vllm:{files.kv_transfer_path.name}"
-            mp = kv_transfer.get("kv_connector") == MP_CONNECTOR
-        mp = mp or (bool(yaml_values) and not any(key in inprocess_keys() for key in yaml_values)
-                    and any(key in mp_server_flags() for key in yaml_values))
+        mp = detect_mode(kv_transfer, yaml_values) == "mp"
     if mp:
         return _mp_settings(yaml_values, yaml_source)
     effective = effective_config(yaml_values, yaml_source, environ, extra, extra_source)

@@ -24,6 +24,7 @@ from kvctl.core.lmcache_config import (
     ConversionError,
     ConfigFiles,
     convert_value,
+    detect_mode,
     env_key,
     env_value,
     locate,
@@ -83,7 +84,7 @@ def validate(target: str | os.PathLike, mode: str | None = None, block_size: int
     collector = _Collector()
     kv_transfer = _load_kv_transfer(files, collector)
     yaml_values = _load_yaml(files, collector)
-    mode = mode or _detect_mode(kv_transfer, yaml_values)
+    mode = mode or detect_mode(kv_transfer, yaml_values)
     if yaml_values is not None:
         if mode == "mp":
             _check_mp_yaml(yaml_values, block, collector)
@@ -143,17 +144,6 @@ def _load_kv_transfer(files: ConfigFiles, collector: _Collector) -> dict[str, An
         collector.error(None, f"{name} must be a JSON object", hint='e.g. {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}')
         return None
     return data
-
-
-def _detect_mode(kv_transfer: dict[str, Any] | None, yaml_values: dict[str, Any] | None) -> str:
-    if kv_transfer and kv_transfer.get("kv_connector") == MP_CONNECTOR:
-        return "mp"
-    if kv_transfer or not yaml_values:
-        return "inprocess"
-    keys, flags = inprocess_keys(), mp_server_flags()
-    mp_only = sum(1 for key in yaml_values if key in flags and key not in keys)
-    inprocess_only = sum(1 for key in yaml_values if key in keys and key not in flags)
-    return "mp" if mp_only > inprocess_only else "inprocess"
 
 
 # -- in-process YAML ---------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvctl.core.errors import KvctlError
-from kvctl.core.lmcache_schema import inprocess_keys
+from kvctl.core.lmcache_schema import inprocess_keys, mp_server_flags
 from kvctl.core.tiers import redact_url
 
 MODES = ("inprocess", "mp")
@@ -184,6 +184,21 @@ def parse_env_file(text: str) -> dict[str, str]:
             if sep and name.isidentifier():
                 variables[name] = value
     return variables
+
+
+# -- mode
+
+
+def detect_mode(kv_transfer: dict[str, Any] | None, yaml_values: dict[str, Any] | None) -> str:
+    if kv_transfer and kv_transfer.get("kv_connector") == MP_CONNECTOR:
+        return "mp"
+    if kv_transfer or not yaml_values:
+        return "inprocess"
+    """mp when vLLM is told to use LMCacheMPConnector, or the YAML holds MP server settings."""
+    keys, flags = inprocess_keys(), mp_server_flags()
+    mp_only = sum(1 for key in yaml_values if key in flags and key not in keys)
+    inprocess_only = sum(1 for key in yaml_values if key in keys and key not in flags)
+    return "mp" if mp_only > inprocess_only else "inprocess"
 
 
 # -- effective values --------------------------------------------------------------------------

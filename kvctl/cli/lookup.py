@@ -1,0 +1,138 @@
+"""`kvctl keys` and `kvctl lookup`: a prompt's chunk keys, and which tiers hold them."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvctl.core.errors import ExitCode, UsageError
+from kvctl.output import Table, escape
+
+PromptFile = Annotated[str | None, typer.Option("--prompt-file", help="UTF-8 text sent as a completion prompt "
+                                                "(- for stdin).")]
+ChatFile = Annotated[str | None, typer.Option("--chat", help="JSON list of {role, content} messages, rendered with "
+                                              "the model's chat template (- for stdin).")]
+TokensFile = Annotated[str | None, typer.Option("--tokens-file", help="JSON list of token ids; no tokenizer needed "
+                                                "(- for stdin).")]
+ModelOption = Annotated[str | None, typer.Option("--model", help="The value of vLLM's --model: names the keys, and "
+                                                 "a local directory also gives the tokenizer.")]
+ConfigOption = Annotated[Path | None, typer.Option("--config", help="A 'kvctl config init' directory or an "
+                                                   "lmcache.yaml.")]
+KvDtype = Annotated[str | None, typer.Option("--kv-dtype", help="KV cache dtype (default: vLLM's rule for the "
+                                             "model's config.json).")]
+WorldSize = Annotated[int, typer.Option("--world-size", min=1, help="Tensor x pipeline parallel size of the "
+                                        "deployment.")]
+HashSeed = Annotated[str | None, typer.Option("--hash-seed", help="PYTHONHASHSEED of the serving process "
+                                              "(default: from env.sh).")]
+
+
+def load_tokens(prompt_file: str | None, chat: str | None, tokens_file: str | None, model_dir: str | None) -> list[int]:
+    from kvctl.core import tokens
+
+    given = [name for name, value in (("--prompt-file", prompt_file), ("--chat", chat),
+                                      ("--tokens-file", tokens_file)) if value]
+    if len(given) != 1:
+        raise UsageError("give exactly one of --prompt-file, --chat, --tokens-file",
+                         hint="e.g. kvctl lookup --prompt-file prompt.txt --config DIR --model MODEL")
+    if tokens_file:
+        return tokens.read_token_ids(tokens_file)
+    if model_dir is None:
+        raise UsageError("tokenizing a prompt needs the model's tokenizer",
+                         hint="pass --model with a local model directory, or --tokens-file")
+    tokenizer = tokens.LocalTokenizer(model_dir)
+    return tokenizer.encode_chat(tokens.read_chat(chat)) if chat else tokenizer.encode_prompt(tokens.read_text(prompt_file))
+
+
+def resolve(config: Path | None, model: str | None, kv_dtype: str | None, world_size: int, hash_seed: str | None):
+    from kvctl.core.target import target_from_config
+
+    if config is None:
+        raise UsageError("which deployment? kvctl needs its LMCache configuration",
+                         hint="pass --config with a 'kvctl config init' directory or an lmcache.yaml")
+    return target_from_config(config, model, kv_dtype, world_size, hash_seed)
+
+
+def keys(
+    ctx: typer.Context,
+    prompt_file: PromptFile = None, chat: ChatFile = None, tokens_file: TokensFile = None,
+    model: ModelOption = None, config: ConfigOption = None, kv_dtype: KvDtype = None,
+    world_size: WorldSize = 1, hash_seed: HashSeed = None,
+) -> None:
+    """Print the chunk keys LMCache makes for a prompt (per rank in tensor-parallel deployments)."""
+    from kvctl.core.keys import MPKeyRecipe, chunk_bounds, chunk_hashes, key_string, mp_object_keys
+
+    target = resolve(config, model, kv_dtype, world_size, hash_seed)
+    token_ids = load_tokens(prompt_file, chat, tokens_file, target.model_dir)
+    recipe = target.recipe
+    bounds = chunk_bounds(len(token_ids), recipe.chunk_size, getattr(recipe, "save_unfull_chunk", False))
+    if isinstance(recipe, MPKeyRecipe):
+        per_chunk = [[key.native_key() for key in ranks] for ranks in mp_object_keys(token_ids, recipe)]
+    else:
+        hashes = chunk_hashes(token_ids, recipe)
+        per_chunk = [[key_string(recipe.for_worker(worker), h) for worker in range(recipe.world_size)] for h in hashes]
+    chunks = [{"index": i, "start": start, "end": end, "keys": ranks}
+              for i, ((start, end), ranks) in enumerate(zip(bounds, per_chunk))]
+    rows = [(c["index"], f"{c['start']}-{c['end']}", "\n".join(c["keys"])) for c in chunks]
+    ctx.obj.emit({"model": recipe.model_name, "mode": target.mode, "chunk_size": recipe.chunk_size,
+                  "prompt_tokens": len(token_ids), "chunks": chunks},
+                 [Table(["chunk", "tokens", "key"], rows, title=f"{len(chunks)} chunks of {len(token_ids)} tokens")])
+
+
+def lookup(
+    ctx: typer.Context,
+    prompt_file: PromptFile = None, chat: ChatFile = None, tokens_file: TokensFile = None,
+    model: ModelOption = None, config: ConfigOption = None, kv_dtype: KvDtype = None,
+    world_size: WorldSize = 1, hash_seed: HashSeed = None,
+    offline: Annotated[bool, typer.Option("--offline", help="Read only the disk and Redis tiers, no server "
+                                          "(the only way with --config today).")] = False,
+) -> None:
+    """Which chunks of a prompt are cached, on which tier, how many tokens vLLM would get, and why not.
+
+    Side-effect free: never pins a chunk, never changes eviction order, never reads a value.
+    """
+    from kvctl.clients.stores import open_store
+    from kvctl.core.lookup import lookup as run_lookup
+
+    target = resolve(config, model, kv_dtype, world_size, hash_seed)
+    token_ids = load_tokens(prompt_file, chat, tokens_file, target.model_dir)
+    out = ctx.obj
+    for note in target.notes:
+        out.info(f"note: {note}")
+    with ExitStack() as stack:
+        def open_source(store):
+            source = open_store(store)
+            if hasattr(source, "close"):
+                stack.callback(source.close)
+            return source
+
+        result = run_lookup(token_ids, target, open_source)
+    out.emit(result.as_dict(), render_lookup(result))
+    for tier, message in result.errors.items():
+        out.error(f"{tier} tier: {message}")
+    if result.errors:
+        raise typer.Exit(ExitCode.PARTIAL if result.tiers_checked else ExitCode.UNREACHABLE)
+
+
+def render_lookup(result) -> list:
+    marks = {tier: tier[0].upper() for tier in ("cpu", "disk", "redis")}
+    rows = []
+    for chunk in result.chunks:
+        tiers = " ".join(marks[tier] if tier in chunk.tiers else "·" for tier in result.tiers_checked)
+        rows.append((chunk.index, f"{chunk.start}-{chunk.end}", tiers or "-", chunk.key))
+    hits = result.hit_tokens
+    summary = (f"hit tokens: {hits['total']} of {result.prompt_tokens} "
+               f"(cpu {hits['cpu']}, disk {hits['disk']}, redis {hits['redis']}); tiers checked: "
+               f"{', '.join(result.tiers_checked) or 'none'}")
+    items: list = [Table(["chunk", "tokens", " ".join(marks[t] for t in result.tiers_checked) or "tiers", "key"], rows,
+                         title=f"{result.model} ({result.mode}, chunk {result.chunk_size})", caption=summary)]
+    for diagnostic in result.diagnostics:
+        line = f"[yellow]{diagnostic.cause}[/]: {escape(diagnostic.message)}"
+        if diagnostic.hint:
+            line += f" [cyan](hint: {escape(diagnostic.hint)})[/]"
+        items.append(line)
+    return items
+
+

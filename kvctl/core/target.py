@@ -1,0 +1,132 @@
+"""What a lookup is about: the key recipe of one LMCache deployment and where its tiers keep data.
+
+Every part of a key comes from somewhere definite: chunk size, hash algorithm and unfull-chunk
+rule from the LMCache configuration; the hash seed from the PYTHONHASHSEED in `env.sh`; the model
+name as given to vLLM's --model; the KV dtype by vLLM's `--dtype auto` rule for the model unless
+given.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvctl.core.errors import KvctlError, UsageError
+from kvctl.core.keys import KeyRecipe, MPKeyRecipe, dtype_name
+from kvctl.core.lmcache_config import (
+    detect_mode,
+    effective_config,
+    locate,
+    parse_env_file,
+    read_text,
+)
+from kvctl.core.lmcache_schema import mp_server_flags
+from kvctl.core.tiers import parse_redis_url, RedisURL
+
+
+@dataclass(frozen=True)
+class Store:
+    """One place chunks live: `tier` as users say it, `layout` as LMCache writes it."""
+
+    tier: str  # "cpu", "disk", "redis"
+    layout: str  # "lmcache-disk", "lmcache-redis", "mp-fs", "mp-resp"
+    directories: tuple[str, ...] = ()
+    redis: RedisURL | None = None
+
+
+@dataclass
+class Target:
+    mode: str
+    recipe: KeyRecipe | MPKeyRecipe
+    stores: list[Store]
+    model_dir: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def kv_dtype_for_model(model_dir: str | os.PathLike, platform: str = "cpu") -> str:
+    """vLLM's `--dtype auto` for a model directory: its config dtype, float32 downcast to bfloat16."""
+    config_path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError):
+        raise KvctlError(f"cannot read {config_path} to find the model's dtype",
+                         hint="pass --kv-dtype (e.g. bfloat16) or a model directory with config.json") from None
+    declared = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
+    if declared in ("float32", "float"):
+        return "bfloat16"  # vLLM's preferred dtype on CPU and on GPUs with bfloat16 support
+    return dtype_name(declared)
+
+
+def _load_yaml(path: Path) -> dict[str, Any]:
+    import yaml
+
+    try:
+        data = yaml.safe_load(read_text(path)) or {}
+    except yaml.YAMLError as error:
+        raise KvctlError(f"cannot parse {path}: {str(error).splitlines()[0]}",
+                         hint=f"run 'kvctl config validate {path}'") from None
+    if not isinstance(data, dict):
+        raise KvctlError(f"{path} is not a mapping of settings", hint=f"run 'kvctl config validate {path}'")
+    return data
+
+
+def target_from_config(config: str | os.PathLike, model: str | None, kv_dtype: str | None = None,
+                       world_size: int = 1, hash_seed: str | None = None) -> Target:
+    """The target described by a `kvctl config init` directory (or an lmcache.yaml)."""
+    files = locate(config)
+    env = parse_env_file(read_text(files.env_path)) if files.env_path else {}
+    kv_transfer = json.loads(read_text(files.kv_transfer_path)) if files.kv_transfer_path else {}
+    values = _load_yaml(files.yaml_path) if files.yaml_path else {}
+    model = model or env.get("KVCTL_MODEL")
+    if not model:
+        raise UsageError("which model? chunk keys contain the model name vLLM was given",
+                         hint="pass --model with the value of vLLM's --model (a directory or a hub id)")
+    seed = hash_seed if hash_seed is not None else env.get("PYTHONHASHSEED")
+    model_dir = model if Path(model).is_dir() else None
+    if kv_dtype:
+        dtype = dtype_name(kv_dtype)
+    elif model_dir:
+        dtype = kv_dtype_for_model(model_dir)
+    else:
+        raise UsageError(f"cannot tell the KV dtype of {model!r} (not a local directory)", hint="pass --kv-dtype")
+    notes = []
+    if seed is None:
+        notes.append("no PYTHONHASHSEED known for the serving process (env.sh sets none); assuming it was unset")
+    if detect_mode(kv_transfer or None, values or None) == "mp":
+        return _mp_target(values, model, world_size, seed, model_dir, notes)
+    effective = effective_config(values, "file", {}, kv_transfer.get("kv_connector_extra_config") or {}, "vllm")
+    settings = effective.values
+    recipe = KeyRecipe(model, settings["chunk_size"], settings["pre_caching_hash_algorithm"], seed, True,
+                       settings["save_unfull_chunk"], world_size, 0, dtype)
+    stores = []
+    if settings["local_disk"] and settings["max_local_disk_size"]:
+        stores.append(Store("disk", "lmcache-disk", tuple(settings["local_disk"].split(","))))
+    remote = settings["remote_url"]
+    if remote and remote.split("://")[0] in ("redis", "rediss", "redis-sentinel", "redis-cluster"):
+        stores.append(Store("redis", "lmcache-redis", redis=parse_redis_url(remote)))
+    elif remote:
+        notes.append(f"the remote tier {remote.split('://')[0]}:// is not one kvctl reads directly")
+    return Target("inprocess", recipe, stores, model_dir, notes)
+
+
+def _mp_target(values: dict[str, Any], model: str, world_size: int, seed: str | None, model_dir: str | None,
+               notes: list[str]) -> Target:
+    flags = mp_server_flags()
+    recipe = MPKeyRecipe(model, values.get("chunk_size", flags["chunk_size"]["default"]),
+                         values.get("hash_algorithm", flags["hash_algorithm"]["default"]), seed, world_size)
+    stores = []
+    for adapter in values.get("l2_adapter") or []:
+        adapter = json.loads(adapter) if isinstance(adapter, str) else adapter
+        if adapter.get("type") == "fs":
+            stores.append(Store("disk", "mp-fs", (adapter["base_path"],)))
+        elif adapter.get("type") == "resp":
+            stores.append(Store("redis", "mp-resp", redis=RedisURL(
+                "redis", ((adapter["host"], int(adapter["port"])),), adapter.get("username") or None,
+                adapter.get("password") or None)))
+        else:
+            notes.append(f"the {adapter.get('type')} L2 adapter is not one kvctl reads directly")
+    notes.append("the MP server's L1 (cpu) tier has no side-effect-free lookup in LMCache 0.5.6; it is not checked")
+    return Target("mp", recipe, stores, model_dir, notes)

@@ -1,0 +1,110 @@
+"""Prompt inputs to token ids, the way vLLM tokenizes the same request.
+
+A completion prompt is tokenized with special tokens (the BOS a model's post-processor adds); a
+chat is rendered with the model's chat template (with the generation prompt) and tokenized without
+adding special tokens again, as vLLM's chat path does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvctl.core.errors import KvctlError, UsageError
+
+MAX_INPUT_BYTES = 64 * 1024 * 1024  # a prompt this large is ~16M tokens: beyond any context window
+
+
+def read_input_bytes(path: str) -> bytes:
+    """The whole file (or standard input for '-'), refusing what cannot be a prompt."""
+    name = "standard input" if path == "-" else path
+    try:
+        if path == "-":
+            data = sys.stdin.buffer.read(MAX_INPUT_BYTES + 1)
+        else:
+            if Path(path).is_dir():
+                raise KvctlError(f"{path} is a directory, not a prompt file", hint="give a text file, or - for stdin")
+            with open(path, "rb") as handle:
+                data = handle.read(MAX_INPUT_BYTES + 1)
+    except FileNotFoundError:
+        raise KvctlError(f"no such file: {path}", hint="check the path; use - to read standard input") from None
+    except PermissionError:
+        raise KvctlError(f"cannot read {path}: permission denied", hint="check the file's permissions") from None
+    if len(data) > MAX_INPUT_BYTES:
+        raise KvctlError(f"{name} is larger than {MAX_INPUT_BYTES // 2**20} MiB",
+                         hint="no model takes a prompt that long; split it")
+    if not data.strip():
+        raise KvctlError(f"{name} is empty", hint="a prompt needs at least one token")
+    if b"\0" in data:
+        raise KvctlError(f"{name} is binary, not text", hint="give a UTF-8 text file")
+    return data
+
+
+def read_text(path: str) -> str:
+    data = read_input_bytes(path)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise KvctlError(f"{path} is not UTF-8 text (byte {error.start})", hint="convert it to UTF-8") from None
+
+
+def read_chat(path: str) -> list[dict[str, Any]]:
+    try:
+        messages = json.loads(read_text(path))
+    except json.JSONDecodeError as error:
+        raise KvctlError(f"{path} is not valid JSON (line {error.lineno}): {error.msg}",
+                         hint='a chat file is a JSON list of {"role": …, "content": …} messages') from None
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(message, dict) and isinstance(message.get("role"), str) and "content" in message
+            for message in messages):
+        raise KvctlError(f"{path} is not a list of chat messages",
+                         hint='write [{"role": "system", "content": "…"}, {"role": "user", "content": "…"}]')
+    return messages
+
+
+def read_token_ids(path: str) -> list[int]:
+    try:
+        tokens = json.loads(read_text(path))
+    except json.JSONDecodeError as error:
+        raise KvctlError(f"{path} is not valid JSON (line {error.lineno}): {error.msg}",
+                         hint="a tokens file is a JSON list of token ids, e.g. [1, 415, 2936]") from None
+    if not isinstance(tokens, list) or not tokens or not all(
+            isinstance(token, int) and not isinstance(token, bool) and token >= 0 for token in tokens):
+        raise KvctlError(f"{path} is not a non-empty JSON list of token ids",
+                         hint="write the ids as a JSON list of non-negative integers")
+    return tokens
+
+
+class LocalTokenizer:
+    """The model directory's own tokenizer, loaded offline with transformers (as vLLM loads it)."""
+
+    def __init__(self, model_dir: str | os.PathLike) -> None:
+        directory = Path(model_dir)
+        if not directory.is_dir():
+            raise UsageError(f"{model_dir} is not a model directory", hint="give --model a local model directory, "
+                             "use --tokens-file, or point kvctl at the running vLLM")
+        if not any((directory / name).exists() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+            raise KvctlError(f"{model_dir} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json)",
+                             hint="use --tokens-file, or a model directory that has its tokenizer")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        from transformers import AutoTokenizer
+
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        except Exception as error:  # noqa: BLE001 - transformers raises many kinds
+            raise KvctlError(f"cannot load the tokenizer of {model_dir}: {str(error).splitlines()[0]}",
+                             hint="check the model directory, or use --tokens-file") from None
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise KvctlError("the model has no chat template", hint="use --prompt-file with the rendered prompt")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
