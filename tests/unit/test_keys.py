@@ -1,0 +1,60 @@
+import random
+
+import pytest
+
+from kvctl.core.keys import (
+    KeyRecipe,
+    ObjectKey,
+    UnreproducibleKeys,
+    chunk_bounds,
+    chunk_hashes,
+    dtype_name,
+    inprocess_keys,
+    key_string,
+    kv_rank,
+    parse_key,
+)
+
+
+def test_chunk_bounds_drop_or_keep_the_tail():
+    assert chunk_bounds(600, 256, False) == [(0, 256), (256, 512)]
+    assert chunk_bounds(600, 256, True) == [(0, 256), (256, 512), (512, 600)]
+    assert chunk_bounds(100, 256, False) == []
+
+
+def test_reference_vector_without_vllm():
+    """lmcache.md §8: tokens 0..599, chunk 256, no vLLM -> NONE_HASH 0 and hash()."""
+    recipe = KeyRecipe("test/model", 256, "builtin", "0", vllm_importable=False, kv_dtype="half")
+    assert inprocess_keys(list(range(600)), recipe) == ["test/model@1@0@2b763dd00afa89c8@half",
+                                                       "test/model@1@0@79e62c807b48385b@half"]
+
+
+def test_key_strings_round_trip_with_tags_and_slashes():
+    recipe = KeyRecipe("org/model@v2", tags=(("user", "alice"), ("tier", "gold")))
+    key = key_string(recipe, -0x1A6E)
+    assert key == "org/model@v2@1@0@-1a6e@bfloat16@user%alice@tier%gold"
+    parsed = parse_key(key)
+    assert (parsed.model_name, parsed.chunk_hash, parsed.kv_dtype, parsed.tags) == (
+        "org/model@v2", "-1a6e", "bfloat16", ("user%alice", "tier%gold"))
+    assert parse_key("not-a-key") is None and parse_key("m@x@0@ab@half") is None
+
+
+def test_unreproducible_seeds_are_refused():
+    with pytest.raises(UnreproducibleKeys):
+        chunk_hashes(list(range(512)), KeyRecipe("m", hash_algorithm="builtin", hash_seed=None))
+    with pytest.raises(UnreproducibleKeys):
+        chunk_hashes(list(range(512)), KeyRecipe("m", hash_algorithm="xxhash", hash_seed=None))
+    assert chunk_hashes(list(range(512)), KeyRecipe("m", hash_algorithm="sha256", hash_seed=None))
+
+
+def test_mp_names():
+    assert kv_rank(2, 1) == 0x2010201 and kv_rank(1, 0) == 0x1000100
+    key = ObjectKey(bytes.fromhex("ab" * 4), "/models/tiny", kv_rank(1, 0))
+    assert key.fs_file_name() == "-SEP-models-SEP-tiny@0x01000100@0@abababab.data"
+    assert key.native_key() == "/models/tiny@01000100@0@abababab"
+    assert ObjectKey(b"\x01", "m", 1, cache_salt="s").native_key() == "m@00000001@0@01@s"
+
+
+def test_dtype_names():
+    assert dtype_name("torch.float16") == dtype_name("half") == "half"
+    assert dtype_name("float32") == "float"
