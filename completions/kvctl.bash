@@ -7,23 +7,31 @@ _kvctl_complete() {
         word=${COMP_WORDS[i]}
         if ((skip)); then skip=0; continue; fi
         case "$kv_path|$word" in
+            "|lookup") kv_path="lookup"; continue ;;
+            "|keys") kv_path="keys"; continue ;;
             "|version") kv_path="version"; continue ;;
             "|config") kv_path="config"; continue ;;
+            "|model") kv_path="model"; continue ;;
             "|completion") kv_path="completion"; continue ;;
             "config|init") kv_path="config init"; continue ;;
             "config|validate") kv_path="config validate"; continue ;;
             "config|show") kv_path="config show"; continue ;;
+            "model|tiny") kv_path="model tiny"; continue ;;
             "completion|show") kv_path="completion show"; continue ;;
             "completion|install") kv_path="completion install"; continue ;;
         esac
         valued=""
         case "$kv_path" in
             "") valued=" --format " ;;
+            "lookup") valued=" --prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --format " ;;
+            "keys") valued=" --prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --format " ;;
             "version") valued=" --format " ;;
             "config") valued=" --format " ;;
             "config init") valued=" --out -o --mode --tier --chunk-size --hash-algorithm --internal-api-port-start --mp-port --mp-http-port --model --instance-id --format " ;;
             "config validate") valued=" --mode --block-size --format " ;;
             "config show") valued=" --format " ;;
+            "model") valued=" --format " ;;
+            "model tiny") valued=" --format " ;;
             "completion") valued=" --format " ;;
             "completion show") valued=" --format " ;;
             "completion install") valued=" --format " ;;
@@ -33,6 +41,24 @@ _kvctl_complete() {
     if ((skip)); then
         case "$kv_path|$prev" in
             "|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
+            "lookup|--prompt-file") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "lookup|--chat") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "lookup|--tokens-file") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "lookup|--model") COMPREPLY=($(kvctl complete-values models "$cur" 2>/dev/null)); return ;;
+            "lookup|--config") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "lookup|--kv-dtype") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "lookup|--world-size") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "lookup|--hash-seed") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "lookup|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
+            "keys|--prompt-file") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "keys|--chat") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "keys|--tokens-file") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "keys|--model") COMPREPLY=($(kvctl complete-values models "$cur" 2>/dev/null)); return ;;
+            "keys|--config") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "keys|--kv-dtype") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "keys|--world-size") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "keys|--hash-seed") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "keys|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
             "version|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
             "config|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
             "config init|--out") COMPREPLY=($(compgen -d -- "$cur")); return ;;
@@ -51,6 +77,8 @@ _kvctl_complete() {
             "config validate|--block-size") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "config validate|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
             "config show|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
+            "model|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
+            "model tiny|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
             "completion|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
             "completion show|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
             "completion install|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
@@ -61,21 +89,27 @@ _kvctl_complete() {
     if [[ $cur == -* ]]; then
         case "$kv_path" in
             "") words="--format --debug -q --quiet --show-completion --install-completion -h --help" ;;
+            "lookup") words="--prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --offline --format --debug -q --quiet -h --help" ;;
+            "keys") words="--prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --format --debug -q --quiet -h --help" ;;
             "version") words="--format --debug -q --quiet -h --help" ;;
             "config") words="--format --debug -q --quiet -h --help" ;;
             "config init") words="--out -o --mode --tier --chunk-size --hash-algorithm --internal-api-port-start --mp-port --mp-http-port --model --instance-id --force --no-force --format --debug -q --quiet -h --help" ;;
             "config validate") words="--mode --block-size --lmcache --no-lmcache --format --debug -q --quiet -h --help" ;;
             "config show") words="--sources --changed --format --debug -q --quiet -h --help" ;;
+            "model") words="--format --debug -q --quiet -h --help" ;;
+            "model tiny") words="--force --no-force --format --debug -q --quiet -h --help" ;;
             "completion") words="--format --debug -q --quiet -h --help" ;;
             "completion show") words="--format --debug -q --quiet -h --help" ;;
             "completion install") words="--format --debug -q --quiet -h --help" ;;
         esac
     else
         case "$kv_path" in
-            "") words="version config completion" ;;
+            "") words="lookup keys version config model completion" ;;
             "config") words="init validate show" ;;
             "config validate") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "config show") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "model") words="tiny" ;;
+            "model tiny") COMPREPLY=($(compgen -d -- "$cur")); return ;;
             "completion") words="show install" ;;
             "completion show") COMPREPLY=($(compgen -W "bash zsh fish" -- "$cur")); return ;;
             "completion install") COMPREPLY=($(compgen -W "bash zsh fish" -- "$cur")); return ;;

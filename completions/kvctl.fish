@@ -10,11 +10,20 @@ function __kvctl_path
             continue
         end
         switch "$kv_path|$word"
+            case '|lookup'
+                set kv_path 'lookup'
+                continue
+            case '|keys'
+                set kv_path 'keys'
+                continue
             case '|version'
                 set kv_path 'version'
                 continue
             case '|config'
                 set kv_path 'config'
+                continue
+            case '|model'
+                set kv_path 'model'
                 continue
             case '|completion'
                 set kv_path 'completion'
@@ -28,6 +37,9 @@ function __kvctl_path
             case 'config|show'
                 set kv_path 'config show'
                 continue
+            case 'model|tiny'
+                set kv_path 'model tiny'
+                continue
             case 'completion|show'
                 set kv_path 'completion show'
                 continue
@@ -39,6 +51,10 @@ function __kvctl_path
         switch "$kv_path"
             case ''
                 set valued --format
+            case 'lookup'
+                set valued --prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --format
+            case 'keys'
+                set valued --prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --format
             case 'version'
                 set valued --format
             case 'config'
@@ -48,6 +64,10 @@ function __kvctl_path
             case 'config validate'
                 set valued --mode --block-size --format
             case 'config show'
+                set valued --format
+            case 'model'
+                set valued --format
+            case 'model tiny'
                 set valued --format
             case 'completion'
                 set valued --format
@@ -68,8 +88,11 @@ function __kvctl_at
 end
 
 complete -c kvctl -f
+complete -c kvctl -f -n '__kvctl_at '\'''\''' -a lookup -d 'Which chunks of a prompt are cached, on which tier, how many tokens...'
+complete -c kvctl -f -n '__kvctl_at '\'''\''' -a keys -d 'Print the chunk keys LMCache makes for a prompt (per rank in...'
 complete -c kvctl -f -n '__kvctl_at '\'''\''' -a version -d 'Show the versions of kvctl, LMCache, vLLM, torch and Python, and...'
 complete -c kvctl -f -n '__kvctl_at '\'''\''' -a config -d 'Generate, validate and show LMCache + vLLM configuration.'
+complete -c kvctl -f -n '__kvctl_at '\'''\''' -a model -d 'Models kvctl builds for offline use.'
 complete -c kvctl -f -n '__kvctl_at '\'''\''' -a completion -d 'Shell completion scripts for bash, zsh and fish.'
 complete -c kvctl -n '__kvctl_at '\'''\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
 complete -c kvctl -n '__kvctl_at '\'''\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
@@ -77,6 +100,31 @@ complete -c kvctl -n '__kvctl_at '\'''\''' -s q -l quiet -d 'Only data on stdout
 complete -c kvctl -n '__kvctl_at '\'''\''' -l show-completion -d 'Print the completion script for your shell.'
 complete -c kvctl -n '__kvctl_at '\'''\''' -l install-completion -d 'Install completion for your shell.'
 complete -c kvctl -n '__kvctl_at '\'''\''' -s h -l help -d 'Show help and exit.'
+complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l prompt-file -r -F -d 'UTF-8 text sent as a completion prompt (- for stdin).'
+complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l chat -r -F -d 'JSON list of {role, content} messages, rendered with the model'\''s chat template (- for stdin).'
+complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l tokens-file -r -F -d 'JSON list of token ids; no tokenizer needed (- for stdin).'
+complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l model -x -a '(kvctl complete-values models (commandline -ct))' -d 'The value of vLLM'\''s --model: names the keys, and a local directory also gives the tokenizer.'
+complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l config -r -F -d 'A '\''kvctl config init'\'' directory or an lmcache.yaml.'
+complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l kv-dtype -r -F -d 'KV cache dtype (default: vLLM'\''s rule for the model'\''s config.json).'
+complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l world-size -r -F -d 'Tensor x pipeline parallel size of the deployment.'
+complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l hash-seed -r -F -d 'PYTHONHASHSEED of the serving process (default: from env.sh).'
+complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l offline -d 'Read only the disk and Redis tiers, no server (the only way with --config today).'
+complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
+complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
+complete -c kvctl -n '__kvctl_at '\''lookup'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
+complete -c kvctl -n '__kvctl_at '\''lookup'\''' -s h -l help -d 'Show help and exit.'
+complete -c kvctl -n '__kvctl_at '\''keys'\''' -l prompt-file -r -F -d 'UTF-8 text sent as a completion prompt (- for stdin).'
+complete -c kvctl -n '__kvctl_at '\''keys'\''' -l chat -r -F -d 'JSON list of {role, content} messages, rendered with the model'\''s chat template (- for stdin).'
+complete -c kvctl -n '__kvctl_at '\''keys'\''' -l tokens-file -r -F -d 'JSON list of token ids; no tokenizer needed (- for stdin).'
+complete -c kvctl -n '__kvctl_at '\''keys'\''' -l model -x -a '(kvctl complete-values models (commandline -ct))' -d 'The value of vLLM'\''s --model: names the keys, and a local directory also gives the tokenizer.'
+complete -c kvctl -n '__kvctl_at '\''keys'\''' -l config -r -F -d 'A '\''kvctl config init'\'' directory or an lmcache.yaml.'
+complete -c kvctl -n '__kvctl_at '\''keys'\''' -l kv-dtype -r -F -d 'KV cache dtype (default: vLLM'\''s rule for the model'\''s config.json).'
+complete -c kvctl -n '__kvctl_at '\''keys'\''' -l world-size -r -F -d 'Tensor x pipeline parallel size of the deployment.'
+complete -c kvctl -n '__kvctl_at '\''keys'\''' -l hash-seed -r -F -d 'PYTHONHASHSEED of the serving process (default: from env.sh).'
+complete -c kvctl -n '__kvctl_at '\''keys'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
+complete -c kvctl -n '__kvctl_at '\''keys'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
+complete -c kvctl -n '__kvctl_at '\''keys'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
+complete -c kvctl -n '__kvctl_at '\''keys'\''' -s h -l help -d 'Show help and exit.'
 complete -c kvctl -n '__kvctl_at '\''version'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
 complete -c kvctl -n '__kvctl_at '\''version'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
 complete -c kvctl -n '__kvctl_at '\''version'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
@@ -118,6 +166,17 @@ complete -c kvctl -n '__kvctl_at '\''config show'\''' -l format -x -a 'table jso
 complete -c kvctl -n '__kvctl_at '\''config show'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
 complete -c kvctl -n '__kvctl_at '\''config show'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
 complete -c kvctl -n '__kvctl_at '\''config show'\''' -s h -l help -d 'Show help and exit.'
+complete -c kvctl -f -n '__kvctl_at '\''model'\''' -a tiny -d 'Build a tiny Llama with a BPE tokenizer trained on Python'\''s...'
+complete -c kvctl -n '__kvctl_at '\''model'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
+complete -c kvctl -n '__kvctl_at '\''model'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
+complete -c kvctl -n '__kvctl_at '\''model'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
+complete -c kvctl -n '__kvctl_at '\''model'\''' -s h -l help -d 'Show help and exit.'
+complete -c kvctl -n '__kvctl_at '\''model tiny'\''' -x -a '(__fish_complete_directories)'
+complete -c kvctl -n '__kvctl_at '\''model tiny'\''' -l force -l no-force -d 'Rebuild even when the directory holds a complete model.'
+complete -c kvctl -n '__kvctl_at '\''model tiny'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
+complete -c kvctl -n '__kvctl_at '\''model tiny'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
+complete -c kvctl -n '__kvctl_at '\''model tiny'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
+complete -c kvctl -n '__kvctl_at '\''model tiny'\''' -s h -l help -d 'Show help and exit.'
 complete -c kvctl -f -n '__kvctl_at '\''completion'\''' -a show -d 'Print the completion script (the same text as completions/ in...'
 complete -c kvctl -f -n '__kvctl_at '\''completion'\''' -a install -d 'Install the completion script for your shell (takes effect in a new...'
 complete -c kvctl -n '__kvctl_at '\''completion'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'

