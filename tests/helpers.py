@@ -106,3 +106,18 @@ def start_vllm(model_dir, log: Path, port: int, extra: list[str] = (), env: dict
             "127.0.0.1", "--port", str(port), "--max-model-len", "2048", "--enforce-eager", "--max-num-seqs", "4",
             *extra]
     return start_process(argv, log, {"VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})})
+
+
+def start_standalone_engine(config_dir: Path, log: Path, chunk: int = 256, model: str = "tiny") -> subprocess.Popen:
+    """LMCache's standalone engine (real LMCacheEngine, MockGPUConnector) with kvctl's plugins loaded."""
+    return start_process([sys.executable, "-m", "kvctl_plugins.standalone", "--config", str(config_dir / "lmcache.yaml"),
+                          "--model-name", model, "--kv-shape", f"2,2,{chunk},2,32", "--kvcache-shape-spec",
+                          "(4096,2,32):float16:2", "--kv-dtype", "float16"], log)
+
+
+def edit_yaml(path: Path, **changes) -> None:
+    import yaml
+
+    values = yaml.safe_load(path.read_text())
+    values.update(changes)
+    path.write_text(yaml.safe_dump(values))

@@ -1,0 +1,145 @@
+"""LMCache's in-process internal API server: its stock endpoints and kvctl's /kvctl/v1 routes.
+
+One server per vLLM process (scheduler at port_start, worker r at port_start + 1 + r), over TCP
+(`http://127.0.0.1:7000`) or a Unix socket (`unix:/path/prefix_7000`). Failures become kvctl's
+errors: unreachable/timeout (exit 3), 4xx rejected (4), 5xx server error (5).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kvctl.core.errors import RejectedError, ServerError, UnreachableError
+
+TIMEOUT_S = 10.0
+KVCTL_ROUTES = "/kvctl/v1"
+
+
+class InternalAPIClient:
+    def __init__(self, url: str, timeout: float = TIMEOUT_S) -> None:
+        import httpx
+
+        self.url = url
+        if url.startswith("unix:"):
+            transport = httpx.HTTPTransport(uds=url[len("unix:"):])
+            self._client = httpx.Client(transport=transport, base_url="http://lmcache", timeout=timeout)
+        else:
+            self._client = httpx.Client(base_url=url.rstrip("/"), timeout=timeout)
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> InternalAPIClient:
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.close()
+
+    def request(self, method: str, path: str, body: Any = None, params: dict | None = None) -> Any:
+        import httpx
+
+        try:
+            response = self._client.request(method, path, json=body, params=params)
+        except httpx.TimeoutException:
+            raise UnreachableError(f"{self.url} did not answer {method} {path} in time",
+                                   hint="the engine may be busy; retry, or check its log") from None
+        except httpx.TransportError as error:
+            raise UnreachableError(f"cannot reach LMCache's internal API at {self.url}: {error}",
+                                   hint="check that the engine runs with internal_api_server_enabled and the port "
+                                   "(worker r listens on port_start + 1 + r)") from None
+        text = response.text
+        try:
+            payload = json.loads(text) if text else None
+        except ValueError:
+            payload = text
+        if response.status_code == 404 and path.startswith(KVCTL_ROUTES) and _is_route_missing(payload):
+            raise RejectedError(f"{self.url} has no kvctl routes (HTTP 404 for {path})",
+                                hint="start the engine with kvctl's plugins: kvctl serve, or "
+                                "kv_connector_module_path=kvctl_plugins.vllm_connector")
+        if 400 <= response.status_code < 500:
+            raise RejectedError(f"{self.url} rejected {method} {path}: {_message(payload)}",
+                                hint="check the request; the server's message says what it wants")
+        if response.status_code >= 500:
+            raise ServerError(f"{self.url} failed {method} {path} (HTTP {response.status_code}): {_message(payload)}",
+                              hint="check the engine's log")
+        return payload
+
+    # -- stock LMCache endpoints -------------------------------------------------------------------
+
+    def version(self) -> str:
+        return self.request("GET", "/lmc_version")
+
+    def conf(self, names: list[str] | None = None) -> dict[str, Any]:
+        return self.request("GET", "/conf", params={"names": ",".join(names)} if names else None)
+
+    def meta(self) -> dict[str, Any]:
+        return self.request("GET", "/meta")
+
+    def env(self) -> dict[str, str]:
+        return self.request("GET", "/env")
+
+    def backends(self) -> dict[str, str]:
+        return self.request("GET", "/backends")
+
+    def metrics(self) -> str:
+        return self.request("GET", "/metrics")
+
+    def clear(self, locations: list[str] | None = None) -> dict[str, Any]:
+        return self.request("DELETE", "/cache/clear", params={"locations": locations} if locations else None)
+
+    def freeze(self, enabled: bool | None = None) -> dict[str, Any]:
+        if enabled is None:
+            return self.request("GET", "/freeze/status")
+        return self.request("PUT", "/freeze/enable" if enabled else "/freeze/disable")
+
+    def hot_cache(self, enabled: bool | None = None) -> dict[str, Any]:
+        if enabled is None:
+            return self.request("GET", "/hot_cache/status")
+        return self.request("PUT", "/hot_cache/enable" if enabled else "/hot_cache/disable")
+
+    # -- kvctl routes --------------------------------------------------------------------------------
+
+    def info(self) -> dict[str, Any]:
+        return self.request("GET", f"{KVCTL_ROUTES}/info")
+
+    def lookup(self, tokens: list[int]) -> dict[str, Any]:
+        return self.request("POST", f"{KVCTL_ROUTES}/lookup", {"tokens": tokens})
+
+    def keys(self, tier: str, offset: int = 0, limit: int = 100) -> dict[str, Any]:
+        return self.request("GET", f"{KVCTL_ROUTES}/keys", params={"tier": tier, "offset": offset, "limit": limit})
+
+    def pin(self, tokens: list[int], ttl_s: float | None = None, tiers: list[str] | None = None) -> dict[str, Any]:
+        return self.request("POST", f"{KVCTL_ROUTES}/pin", {"tokens": tokens, "ttl_s": ttl_s, "tiers": tiers})
+
+    def unpin(self, pin_id: str | None = None, tokens: list[int] | None = None, everything: bool = False) -> dict:
+        if everything:
+            body: dict[str, Any] = {"all": True}
+        elif pin_id is not None:
+            body = {"pin_id": pin_id}
+        else:
+            body = {"tokens": tokens}
+        return self.request("POST", f"{KVCTL_ROUTES}/unpin", body)
+
+    def pins(self) -> list[dict[str, Any]]:
+        return self.request("GET", f"{KVCTL_ROUTES}/pins")["pins"]
+
+    def evict(self, *, tokens: list[int] | None = None, keys: list[str] | None = None, tiers: list[str] | None = None,
+              everything: bool = False, dry_run: bool = False, force: bool = False) -> dict[str, Any]:
+        body = {"tokens": tokens, "keys": keys, "tiers": tiers, "all": everything, "dry_run": dry_run, "force": force}
+        return self.request("POST", f"{KVCTL_ROUTES}/evict", {k: v for k, v in body.items() if v not in (None, False)})
+
+    def prefetch(self, tokens: list[int]) -> dict[str, Any]:
+        return self.request("POST", f"{KVCTL_ROUTES}/prefetch", {"tokens": tokens})
+
+
+def _message(payload: Any) -> str:
+    if isinstance(payload, dict):
+        return str(payload.get("message") or payload.get("detail") or payload.get("error") or payload)
+    return str(payload)[:300]
+
+
+def _is_route_missing(payload: Any) -> bool:
+    """FastAPI's own 404 for an unknown path, as opposed to a kvctl route's not_found answer."""
+    return isinstance(payload, dict) and payload.get("detail") == "Not Found"
+

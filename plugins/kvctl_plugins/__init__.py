@@ -1,0 +1,27 @@
+"""What kvctl loads into LMCache and vLLM processes, without editing any installed file.
+
+* management routes under /kvctl/v1 on LMCache's internal API server (routes.py);
+* a local disk tier that survives restarts: its index is rebuilt from the files at start
+  (disk_index.py).
+
+`install()` applies them; it is idempotent. Entry points: `kvctl_plugins.vllm_connector`
+(vLLM's kv_connector_module_path, keeping the connector name LMCacheConnectorV1) and
+`python -m kvctl_plugins.standalone` (LMCache's standalone engine). This package imports lmcache
+and vllm, never kvctl.cli.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+_installed = False
+
+
+def install() -> None:
+    global _installed
+    if _installed:
+        return
+    from kvctl_plugins import disk_index, routes
+
+    routes.install()
+    disk_index.install()
+    _installed = True

@@ -1,0 +1,178 @@
+"""kvctl's /kvctl/v1 routes inside a real LMCache engine (standalone, CPU + disk + Redis tiers)."""
+
+import time
+
+import pytest
+
+from kvctl.clients.internal_api import InternalAPIClient
+from kvctl.core.errors import RejectedError
+from kvctl.core.keys import KeyRecipe, disk_file_name, inprocess_keys
+from tests.helpers import edit_yaml, free_port, http_json, run_kvctl, start_standalone_engine, stop_process, wait_until
+
+CHUNK = 256
+CHUNK_BYTES = 2 * 2 * CHUNK * 64 * 2  # kv, layers, tokens, heads x head size, float16
+CPU_GB = 0.02  # about 160 chunks: small enough to put under pressure
+
+
+def tokens(start, chunks):
+    return list(range(start, start + chunks * CHUNK))
+
+
+def keys_of(token_ids):
+    return inprocess_keys(token_ids, KeyRecipe("tiny", CHUNK, "sha256_cbor", "0", kv_dtype="half"))
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory, module_redis):
+    root = tmp_path_factory.mktemp("routes")
+    port_start = free_port()
+    init = run_kvctl("config", "init", "--out", root / "cfg", "--tier", f"cpu:{CPU_GB}", "--tier", f"disk:{root}/disk:1",
+                     "--tier", module_redis.url, "--internal-api-port-start", port_start)
+    assert init.code == 0, init.stderr
+    edit_yaml(root / "cfg" / "lmcache.yaml", pin_timeout_sec=3, pin_check_interval_sec=1)
+    log = root / "engine.log"
+    proc = start_standalone_engine(root / "cfg", log)
+    url = f"http://127.0.0.1:{port_start + 1}"
+    try:
+        wait_until(lambda: http_json("GET", f"{url}/lmc_version"), 120, "standalone engine", proc, log)
+        with InternalAPIClient(url) as client:
+            yield {"client": client, "url": url, "root": root, "redis": module_redis.client(), "log": log}
+    finally:
+        stop_process(proc, grace=2)  # LMCache 0.5.6 never exits on SIGTERM with a redis:// tier
+
+
+def store(engine, start, chunks):
+    result = http_json("POST", f"{engine['url']}/cache/store", params={"tokens_mock": f"{start},{start + chunks * CHUNK}"})
+    assert result["num_tokens"] == chunks * CHUNK
+    names = [key + "metadata" for key in keys_of(tokens(start, chunks))]
+    wait_until(lambda: all(engine["redis"].exists(name) for name in names), 30, "chunks in Redis")
+    wait_until(lambda: all((engine["root"] / "disk" / disk_file_name(key)).exists() for key in keys_of(tokens(start, chunks))),
+               30, "chunks on disk")
+
+
+def cpu_keys(engine):
+    return [entry["key"] for entry in engine["client"].keys("cpu", limit=10000)["keys"]]
+
+
+@pytest.mark.slow
+def test_info_describes_the_engine(engine):
+    info = engine["client"].info()
+    assert info["model"] == "tiny" and info["chunk_size"] == CHUNK and info["hash_algorithm"] == "sha256_cbor"
+    assert info["kv_dtype"] == "float16" and info["world_size"] == 1 and info["worker_id"] == 0
+    assert [tier["tier"] for tier in info["tiers"]] == ["cpu", "disk", "redis"]
+    assert info["tiers"][0]["capacity_bytes"] == int(CPU_GB * 1024**3)
+
+
+@pytest.mark.slow
+def test_lookup_reports_every_tier_without_pinning_or_touching_lru(engine):
+    store(engine, 0, 3)
+    store(engine, 10_000, 2)
+    before = cpu_keys(engine)
+    result = engine["client"].lookup(tokens(0, 3) + [1, 2, 3])
+    assert [chunk["key"] for chunk in result["chunks"]] == keys_of(tokens(0, 3))
+    assert [chunk["tiers"] for chunk in result["chunks"]] == [["cpu", "disk", "redis"]] * 3
+    assert result["hit_tokens"] == {"cpu": 3 * CHUNK, "disk": 3 * CHUNK, "redis": 3 * CHUNK, "total": 3 * CHUNK}
+    assert cpu_keys(engine) == before  # LRU order unchanged: the older prompt was not moved to the end
+    listed = engine["client"].keys("cpu", limit=10000)["keys"]
+    assert not any(entry["pinned"] for entry in listed)
+
+
+@pytest.mark.slow
+def test_keys_are_paginated_with_sizes(engine):
+    store(engine, 20_000, 3)
+    first = engine["client"].keys("disk", offset=0, limit=2)
+    assert len(first["keys"]) == 2 and first["next_offset"] == 2 and first["total"] >= 3
+    assert all(entry["size"] == CHUNK_BYTES for entry in first["keys"])
+    rest = engine["client"].keys("disk", offset=2, limit=10000)
+    assert rest["next_offset"] is None and len(first["keys"]) + len(rest["keys"]) == first["total"]
+
+
+@pytest.mark.slow
+def test_pinned_chunks_survive_cpu_pressure_and_plain_evict(engine):
+    store(engine, 30_000, 2)
+    store(engine, 40_000, 2)
+    pin = engine["client"].pin(tokens(30_000, 2), ttl_s=600)
+    assert pin["pinned"] == {"cpu": 2, "disk": 2} and pin["chunks"] == 2
+    pinned_keys, unpinned_keys = keys_of(tokens(30_000, 2)), keys_of(tokens(40_000, 2))
+    http_json("POST", f"{engine['url']}/cache/store", params={"tokens_mock": f"100000,{100000 + 200 * CHUNK}"})
+    present = set(cpu_keys(engine))
+    assert set(pinned_keys) <= present  # 200 new chunks did not push the pinned ones out
+    assert not set(unpinned_keys) & present  # … but did push out the unpinned ones stored at the same time
+    time.sleep(5)  # longer than the engine's pin_timeout_sec (3 s): LMCache's PinMonitor would unpin
+    listed = {entry["key"]: entry for entry in engine["client"].keys("cpu", limit=10000)["keys"]}
+    assert all(listed[key]["pinned"] and listed[key]["kvctl_pinned"] for key in pinned_keys)
+    refused = engine["client"].evict(tokens=tokens(30_000, 2), tiers=["cpu", "disk"])
+    assert refused["removed"] == {"cpu": 0, "disk": 0} and refused["skipped_pinned"] == {"cpu": 2, "disk": 2}
+    assert [p["pin_id"] for p in engine["client"].pins()] == [pin["pin_id"]]
+    forced = engine["client"].evict(tokens=tokens(30_000, 2), tiers=["cpu", "disk"], force=True)
+    assert forced["removed"] == {"cpu": 2, "disk": 2}
+    engine["client"].unpin(pin_id=pin["pin_id"])
+    assert engine["client"].pins() == []
+
+
+@pytest.mark.slow
+def test_pins_expire_after_their_ttl(engine):
+    store(engine, 50_000, 1)
+    pin = engine["client"].pin(tokens(50_000, 1), ttl_s=1)
+    assert engine["client"].pins()[0]["pin_id"] == pin["pin_id"]
+    time.sleep(1.5)
+    assert engine["client"].pins() == []
+    key = keys_of(tokens(50_000, 1))[0]
+    listed = {entry["key"]: entry for entry in engine["client"].keys("cpu", limit=10000)["keys"]}
+    assert key in listed and not listed[key]["pinned"]
+
+
+@pytest.mark.slow
+def test_evict_by_tokens_removes_exactly_that_prompt_on_every_tier(engine):
+    store(engine, 60_000, 2)
+    store(engine, 70_000, 2)
+    doomed, kept = keys_of(tokens(60_000, 2)), keys_of(tokens(70_000, 2))
+    dry = engine["client"].evict(tokens=tokens(60_000, 2), dry_run=True)
+    assert dry["removed"] == {"cpu": 2, "disk": 2, "redis": 2}
+    assert sorted(chunk["key"] for chunk in dry["chunks"]) == sorted(doomed * 3)
+    assert engine["client"].lookup(tokens(60_000, 2))["hit_tokens"]["total"] == 2 * CHUNK  # dry run removed nothing
+    done = engine["client"].evict(tokens=tokens(60_000, 2))
+    assert done["removed"] == {"cpu": 2, "disk": 2, "redis": 2}
+    after = engine["client"].lookup(tokens(60_000, 2))
+    assert after["hit_tokens"] == {"cpu": 0, "disk": 0, "redis": 0, "total": 0}
+    assert not any((engine["root"] / "disk" / disk_file_name(key)).exists() for key in doomed)
+    assert not any(engine["redis"].exists(key + "metadata") or engine["redis"].exists(key + "kv_bytes") for key in doomed)
+    assert engine["client"].lookup(tokens(70_000, 2))["hit_tokens"]["total"] == 2 * CHUNK
+    assert all((engine["root"] / "disk" / disk_file_name(key)).exists() for key in kept)
+
+
+@pytest.mark.slow
+def test_evict_by_keys_and_a_whole_tier(engine):
+    store(engine, 80_000, 2)
+    first, second = keys_of(tokens(80_000, 2))
+    result = engine["client"].evict(keys=[second], tiers=["disk"])
+    assert result["removed"] == {"disk": 1}
+    assert engine["client"].lookup(tokens(80_000, 2))["chunks"][1]["tiers"] == ["cpu", "redis"]
+    everything = engine["client"].evict(everything=True, tiers=["cpu"])
+    assert everything["removed"]["cpu"] >= 2 and cpu_keys(engine) == []
+
+
+@pytest.mark.slow
+def test_prefetch_brings_lower_tier_chunks_into_cpu(engine):
+    store(engine, 90_000, 2)
+    engine["client"].evict(tokens=tokens(90_000, 2), tiers=["cpu"])
+    assert engine["client"].lookup(tokens(90_000, 2))["hit_tokens"]["cpu"] == 0
+    result = engine["client"].prefetch(tokens(90_000, 2))
+    assert result == {"loaded": 2, "already_in_cpu": 0, "missing": 0}
+    wait_until(lambda: engine["client"].lookup(tokens(90_000, 2))["hit_tokens"]["cpu"] == 2 * CHUNK, 10, "prefetch")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("call", "status_words"), [
+    (lambda c: c.request("POST", "/kvctl/v1/lookup", {"tokens": "abc"}), "non-empty list"),
+    (lambda c: c.request("POST", "/kvctl/v1/lookup", None), "non-empty list"),
+    (lambda c: c.keys("gpu"), "no such tier"),
+    (lambda c: c.unpin(pin_id="nope"), "no pin"),
+    (lambda c: c.pin([1, 2], ttl_s=-5), "ttl_s"),
+    (lambda c: c.evict(keys=["not-a-key"]), "not an LMCache chunk key"),
+    (lambda c: c.evict(tokens=[1], keys=["a@1@0@1@half"]), "exactly one"),
+])
+def test_bad_requests_are_4xx_with_a_message(engine, call, status_words):
+    with pytest.raises(RejectedError) as raised:
+        call(engine["client"])
+    assert status_words in raised.value.message
