@@ -93,7 +93,7 @@ _kvctl_complete() {
             "keys") words="--prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --format --debug -q --quiet -h --help" ;;
             "version") words="--format --debug -q --quiet -h --help" ;;
             "config") words="--format --debug -q --quiet -h --help" ;;
-            "config init") words="--out -o --mode --tier --chunk-size --hash-algorithm --internal-api-port-start --mp-port --mp-http-port --model --instance-id --force --no-force --format --debug -q --quiet -h --help" ;;
+            "config init") words="--out -o --mode --tier --chunk-size --hash-algorithm --internal-api-port-start --mp-port --mp-http-port --model --instance-id --plugins --no-plugins --force --no-force --format --debug -q --quiet -h --help" ;;
             "config validate") words="--mode --block-size --lmcache --no-lmcache --format --debug -q --quiet -h --help" ;;
             "config show") words="--sources --changed --format --debug -q --quiet -h --help" ;;
             "model") words="--format --debug -q --quiet -h --help" ;;

@@ -146,6 +146,7 @@ complete -c kvctl -n '__kvctl_at '\''config init'\''' -l mp-port -r -F -d 'MP mo
 complete -c kvctl -n '__kvctl_at '\''config init'\''' -l mp-http-port -r -F -d 'MP mode: the lmcache server'\''s HTTP port.'
 complete -c kvctl -n '__kvctl_at '\''config init'\''' -l model -x -a '(kvctl complete-values models (commandline -ct))' -d 'Model kvctl commands use by default with this config.'
 complete -c kvctl -n '__kvctl_at '\''config init'\''' -l instance-id -r -F -d 'lmcache_instance_id (default: from the directory name).'
+complete -c kvctl -n '__kvctl_at '\''config init'\''' -l plugins -l no-plugins -d 'In-process mode: load kvctl'\''s plugins into vLLM (management routes, CPU connector, restart-proof disk tier).'
 complete -c kvctl -n '__kvctl_at '\''config init'\''' -l force -l no-force -d 'Replace existing files.'
 complete -c kvctl -n '__kvctl_at '\''config init'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
 complete -c kvctl -n '__kvctl_at '\''config init'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'

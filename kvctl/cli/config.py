@@ -38,6 +38,8 @@ def init(
     model: Annotated[str | None, typer.Option(help="Model kvctl commands use by default with this config.")] = None,
     instance_id: Annotated[str | None, typer.Option(help="lmcache_instance_id (default: from the directory "
                                                     "name).")] = None,
+    plugins: Annotated[bool, typer.Option(help="In-process mode: load kvctl's plugins into vLLM (management "
+                                          "routes, CPU connector, restart-proof disk tier).")] = True,
     force: Annotated[bool, typer.Option(help="Replace existing files.")] = False,
 ) -> None:
     """Write a working LMCache configuration that kvctl can manage."""
@@ -49,7 +51,7 @@ def init(
         mode=mode.value, tiers=[parse_tier(text) for text in tier or []], chunk_size=chunk_size,
         hash_algorithm=hash_algorithm.value if hash_algorithm else None,
         internal_api_port_start=internal_api_port_start, mp_port=mp_port, mp_http_port=mp_http_port,
-        model=model, instance_id=instance_id,
+        model=model, instance_id=instance_id, plugins=plugins,
     )
     generated = build_config(request, out)
     written = write_files(generated.render(out.expanduser().absolute()), out, force)

@@ -37,6 +37,7 @@ DEFAULT_INTERNAL_API_PORT_START = 6999
 DEFAULT_MP_PORT = 5555
 DEFAULT_MP_HTTP_PORT = 8080
 LOOPBACK = "127.0.0.1"
+PLUGIN_MODULE = "kvctl_plugins.vllm_connector"
 
 
 @dataclass
@@ -51,6 +52,7 @@ class ConfigRequest:
     model: str | None = None
     instance_id: str | None = None
     platform: str | None = None
+    plugins: bool = True
 
 
 @dataclass
@@ -144,6 +146,10 @@ def _build_inprocess(request: ConfigRequest, tiers: list[TierSpec], instance_id:
     env = {"PYTHONHASHSEED": HASH_SEED, **_model_env(request)}
     env.update({schema[key]["env"]: _env_text(value) for key, value in values.items()})
     kv_transfer = {"kv_connector": INPROCESS_CONNECTOR, "kv_role": "kv_both"}
+    if request.plugins:
+        # vLLM imports this module in the scheduler and every worker and takes LMCacheConnectorV1 from it:
+        # kvctl's management routes, the CPU connector and the restart-proof disk tier come along.
+        kv_transfer["kv_connector_module_path"] = PLUGIN_MODULE
     notes = []
     if not cpu:
         notes.append("no --tier cpu given: LMCache still needs a CPU staging tier, sized at 0.5 GB")

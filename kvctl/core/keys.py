@@ -15,7 +15,6 @@ H(0, (0,)); only complete chunks; one key per rank, kv_rank = ws<<24 | rank<<16 
 
 from __future__ import annotations
 
-import os
 import struct
 import subprocess
 import sys
@@ -107,9 +106,11 @@ def _hash_function(algorithm: str, vllm_importable: bool):
 
 @lru_cache(maxsize=32)
 def builtin_str_hash(text: str, seed: str) -> int:
-    """Python's hash() of a string in a process started with PYTHONHASHSEED=seed."""
-    if os.environ.get("PYTHONHASHSEED") == seed:
-        return hash(text)
+    """Python's hash() of a string in a process started with PYTHONHASHSEED=seed.
+
+    Always a child interpreter: this process's own seed cannot be read back (the environment
+    variable may have changed since it started).
+    """
     done = subprocess.run([sys.executable, "-S", "-c", "import sys; print(hash(sys.argv[1]))", text],
                           capture_output=True, text=True, env={"PYTHONHASHSEED": seed}, check=True)
     return int(done.stdout)

@@ -1,6 +1,7 @@
 """What kvctl loads into LMCache and vLLM processes, without editing any installed file.
 
 * management routes under /kvctl/v1 on LMCache's internal API server (routes.py);
+* a CPU connector so LMCacheConnectorV1 runs on vLLM's CPU backend (cpu_connector.py);
 * a local disk tier that survives restarts: its index is rebuilt from the files at start
   (disk_index.py).
 
@@ -20,8 +21,9 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    from kvctl_plugins import disk_index, routes
+    from kvctl_plugins import cpu_connector, disk_index, routes
 
     routes.install()
+    cpu_connector.install()
     disk_index.install()
     _installed = True

@@ -11,6 +11,6 @@ from kvctl_plugins import install
 
 install()
 
-from lmcache.integration.vllm.lmcache_connector_v1 import LMCacheConnectorV1  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import LMCacheConnectorV1  # noqa: E402
 
 __all__ = ["LMCacheConnectorV1"]

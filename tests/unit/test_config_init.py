@@ -29,7 +29,9 @@ def test_inprocess_always_enables_what_kvctl_needs(tmp_path):
     assert values["max_local_disk_size"] == 2.0
     assert values["remote_url"] == "redis://:pw@127.0.0.1:6390/1"
     assert generated.env["PYTHONHASHSEED"] == "0"
-    assert generated.kv_transfer == {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+    assert generated.kv_transfer == {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both",
+                                     "kv_connector_module_path": "kvctl_plugins.vllm_connector"}
+    assert "kv_connector_module_path" not in build_config(ConfigRequest(plugins=False), tmp_path / "c").kv_transfer
 
 
 def test_default_tiers_fit_the_machine(tmp_path):

@@ -1,0 +1,77 @@
+"""vLLM CPU + LMCacheConnectorV1 + kvctl's plugins: a restarted vLLM gets LMCache hits from the disk
+and Redis tiers, produces the same greedy output, and never waits on lookup timeouts."""
+
+import json
+import re
+import sysconfig
+
+import httpx
+import pytest
+
+from kvctl.clients.internal_api import InternalAPIClient
+from tests.helpers import free_port, run_kvctl, start_vllm, stop_process, wait_until
+
+PROMPT = (sysconfig.get_paths()["stdlib"] + "/json/__init__.py")
+
+
+def serve(model, config_dir, log):
+    port = free_port()
+    kv_transfer = (config_dir / "kv-transfer-config.json").read_text()
+    proc = start_vllm(model, log, port, ["--kv-transfer-config", kv_transfer],
+                      env={"LMCACHE_CONFIG_FILE": str(config_dir / "lmcache.yaml")})
+    url = f"http://127.0.0.1:{port}"
+    wait_until(lambda: httpx.get(f"{url}/health", timeout=5).status_code == 200, 300, "vLLM", proc, log)
+    return proc, url
+
+
+def complete(url, model, prompt):
+    body = {"model": str(model), "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 1}
+    choice = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]
+    return choice["text"], choice["logprobs"]["token_logprobs"]
+
+
+def hit_tokens(log):
+    return [int(n) for n in re.findall(r"LMCache hit tokens: (\d+)", log.read_text())]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("with_redis", [False, True], ids=["cpu+disk", "cpu+disk+redis"])
+def test_restarted_vllm_hits_lmcache(tiny_model, tmp_path, start_redis, with_redis):
+    prompt = open(PROMPT).read()[:3000]
+    port_start = free_port()
+    tiers = ["--tier", "cpu:0.5", "--tier", f"disk:{tmp_path}/disk:1"]
+    redis = start_redis() if with_redis else None
+    if redis:
+        tiers += ["--tier", redis.url]
+    assert run_kvctl("config", "init", "--out", tmp_path / "cfg", *tiers, "--internal-api-port-start", port_start,
+                     "--model", tiny_model).code == 0
+
+    first_log = tmp_path / "first.log"
+    proc, url = serve(tiny_model, tmp_path / "cfg", first_log)
+    try:
+        first = complete(url, tiny_model, prompt)
+        wait_until(lambda: "Stored" in first_log.read_text(), 30, "LMCache store")
+        tokens = httpx.post(f"{url}/tokenize", json={"model": str(tiny_model), "prompt": prompt}).json()["tokens"]
+        stored = len(tokens) // 256 * 256
+        with InternalAPIClient(f"http://127.0.0.1:{port_start + 1}") as worker:  # the plugin routes inside vLLM
+            expected_tiers = ["cpu", "disk", "redis"] if redis else ["cpu", "disk"]
+            wait_until(lambda: worker.lookup(tokens)["hit_tokens"]["total"] == stored, 30, "chunks on every tier")
+            assert all(chunk["tiers"] == expected_tiers for chunk in worker.lookup(tokens)["chunks"])
+    finally:
+        stop_process(proc, grace=20)
+    assert hit_tokens(first_log) == [0]
+
+    if redis:  # prove the Redis tier serves the restart: the disk tier is emptied first
+        for path in (tmp_path / "disk").glob("*.pt"):
+            path.unlink()
+    second_log = tmp_path / "second.log"
+    proc, url = serve(tiny_model, tmp_path / "cfg", second_log)
+    try:
+        second = complete(url, tiny_model, prompt)
+    finally:
+        stop_process(proc, grace=20)
+    assert hit_tokens(second_log) == [stored] and stored >= 1024
+    assert re.search(rf"Retrieved {stored} out of {stored}", second_log.read_text())
+    assert second == first  # same greedy text and the same logprobs: the loaded KV is the right KV
+    for log in (first_log, second_log):
+        assert "Timeout occurred" not in log.read_text() and "No supported cpu connector" not in log.read_text()

@@ -1,0 +1,54 @@
+"""The CPU connector moves exactly the KV that vLLM's own CPU attention op wrote, both ways."""
+
+import pytest
+import torch
+
+
+class MemoryObj:
+    def __init__(self, shape, dtype):
+        self.tensor = torch.zeros(shape, dtype=dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_store_and_retrieve_round_trip_through_vllms_cpu_layout(dtype):
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from kvctl_plugins.cpu_connector import VLLMCPUPagedConnector
+
+    layers, heads, head_size, block_size, blocks, tokens = 2, 2, 32, 128, 6, 300
+    isa = _get_attn_isa(dtype, block_size, head_size, "auto")
+    generator = torch.Generator().manual_seed(0)
+    caches = [torch.zeros(blocks, heads, block_size, 2 * head_size, dtype=dtype) for _ in range(layers)]
+    slots = torch.randperm((blocks - 1) * block_size, generator=generator)[:tokens] + block_size  # block 0 = null
+    written = []
+    for cache in caches:
+        key = torch.randn(tokens, heads, head_size, generator=generator).to(dtype)
+        value = torch.randn(tokens, heads, head_size, generator=generator).to(dtype)
+        key_cache, value_cache = cache.view(blocks, heads, block_size * 2, head_size).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+        written.append((key, value))
+
+    connector = VLLMCPUPagedConnector(layers, heads, head_size, dtype)
+    assert connector.get_shape(256) == torch.Size([2, layers, 256, heads * head_size])
+    first, second = MemoryObj(connector.get_shape(256), dtype), MemoryObj(connector.get_shape(44), dtype)
+    connector.batched_from_gpu([first, second], [0, 256], [256, 300], kvcaches=caches, slot_mapping=slots)
+    for layer, (key, value) in enumerate(written):
+        stored = torch.cat([first.tensor[:, layer], second.tensor[:, layer]], dim=1)
+        assert torch.equal(stored[0], key.reshape(tokens, -1)) and torch.equal(stored[1], value.reshape(tokens, -1))
+
+    originals = [cache.clone() for cache in caches]
+    for cache in caches:
+        cache.zero_()
+    connector.to_gpu(first, 0, 256, kvcaches=caches, slot_mapping=slots, vllm_cached_tokens=128)
+    connector.to_gpu(second, 256, 300, kvcaches=caches, slot_mapping=slots)
+    check = MemoryObj(connector.get_shape(tokens), dtype)
+    connector.from_gpu(check, 0, tokens, kvcaches=caches, slot_mapping=slots)
+    for layer, (key, value) in enumerate(written):
+        assert torch.all(check.tensor[:, layer, :128] == 0)  # vLLM already had these: left untouched
+        assert torch.equal(check.tensor[0, layer, 128:], key.reshape(tokens, -1)[128:])
+        assert torch.equal(check.tensor[1, layer, 128:], value.reshape(tokens, -1)[128:])
+    untouched = [slot for slot in range(blocks * block_size) if slot not in set(slots.tolist())]
+    assert untouched and all(torch.count_nonzero(cache[0]) == 0 for cache in caches)
+    assert any(torch.count_nonzero(original) for original in originals)
