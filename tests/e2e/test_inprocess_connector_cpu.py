@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from kvctl.clients.internal_api import InternalAPIClient
+from kvctl.clients.offload import OffloadClient, offload_socket_path
 from tests.helpers import free_port, run_kvctl, start_vllm, stop_process, wait_until
 
 PROMPT = (sysconfig.get_paths()["stdlib"] + "/json/__init__.py")
@@ -57,6 +58,9 @@ def test_restarted_vllm_hits_lmcache(tiny_model, tmp_path, start_redis, with_red
             expected_tiers = ["cpu", "disk", "redis"] if redis else ["cpu", "disk"]
             wait_until(lambda: worker.lookup(tokens)["hit_tokens"]["total"] == stored, 30, "chunks on every tier")
             assert all(chunk["tiers"] == expected_tiers for chunk in worker.lookup(tokens)["chunks"])
+            offload = OffloadClient(offload_socket_path(worker.meta()["engine_id"], rank=0))
+            assert 0 < offload.health() < 5  # the worker's ZMQ offload server answers, and again after that
+            assert offload.health() < 5
     finally:
         stop_process(proc, grace=20)
     assert hit_tokens(first_log) == [0]
