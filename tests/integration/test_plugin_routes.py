@@ -176,3 +176,21 @@ def test_bad_requests_are_4xx_with_a_message(engine, call, status_words):
     with pytest.raises(RejectedError) as raised:
         call(engine["client"])
     assert status_words in raised.value.message
+
+
+@pytest.mark.slow
+def test_routes_over_the_unix_socket_variant(tmp_path):
+    port_start = free_port()
+    assert run_kvctl("config", "init", "--out", tmp_path / "cfg", "--tier", "cpu:0.1",
+                     "--internal-api-port-start", port_start).code == 0
+    prefix = tmp_path / "sockets" / "lmcache"
+    edit_yaml(tmp_path / "cfg" / "lmcache.yaml", internal_api_server_socket_path_prefix=str(prefix))
+    log = tmp_path / "engine.log"
+    proc = start_standalone_engine(tmp_path / "cfg", log)
+    try:
+        with InternalAPIClient(f"unix:{prefix}_{port_start + 1}") as client:
+            wait_until(lambda: client.version() == "0.5.6", 120, "engine on a Unix socket", proc, log)
+            assert client.info()["tiers"][0]["tier"] == "cpu"
+            assert client.lookup(tokens(0, 1))["hit_tokens"]["total"] == 0
+    finally:
+        stop_process(proc)
