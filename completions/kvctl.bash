@@ -23,8 +23,8 @@ _kvctl_complete() {
         valued=""
         case "$kv_path" in
             "") valued=" --format " ;;
-            "lookup") valued=" --prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --format " ;;
-            "keys") valued=" --prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --format " ;;
+            "lookup") valued=" --prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --instance --format " ;;
+            "keys") valued=" --prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --format " ;;
             "version") valued=" --format " ;;
             "config") valued=" --format " ;;
             "config init") valued=" --out -o --mode --tier --chunk-size --hash-algorithm --internal-api-port-start --mp-port --mp-http-port --model --instance-id --format " ;;
@@ -49,6 +49,8 @@ _kvctl_complete() {
             "lookup|--kv-dtype") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "lookup|--world-size") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "lookup|--hash-seed") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "lookup|--vllm-url") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "lookup|--instance") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "lookup|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
             "keys|--prompt-file") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "keys|--chat") COMPREPLY=($(compgen -f -- "$cur")); return ;;
@@ -58,6 +60,7 @@ _kvctl_complete() {
             "keys|--kv-dtype") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "keys|--world-size") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "keys|--hash-seed") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "keys|--vllm-url") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "keys|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
             "version|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
             "config|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
@@ -89,8 +92,8 @@ _kvctl_complete() {
     if [[ $cur == -* ]]; then
         case "$kv_path" in
             "") words="--format --debug -q --quiet --show-completion --install-completion -h --help" ;;
-            "lookup") words="--prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --offline --format --debug -q --quiet -h --help" ;;
-            "keys") words="--prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --format --debug -q --quiet -h --help" ;;
+            "lookup") words="--prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --instance --offline --format --debug -q --quiet -h --help" ;;
+            "keys") words="--prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --format --debug -q --quiet -h --help" ;;
             "version") words="--format --debug -q --quiet -h --help" ;;
             "config") words="--format --debug -q --quiet -h --help" ;;
             "config init") words="--out -o --mode --tier --chunk-size --hash-algorithm --internal-api-port-start --mp-port --mp-http-port --model --instance-id --plugins --no-plugins --force --no-force --format --debug -q --quiet -h --help" ;;

@@ -52,9 +52,9 @@ function __kvctl_path
             case ''
                 set valued --format
             case 'lookup'
-                set valued --prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --format
+                set valued --prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --instance --format
             case 'keys'
-                set valued --prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --format
+                set valued --prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --format
             case 'version'
                 set valued --format
             case 'config'
@@ -108,7 +108,9 @@ complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l config -r -F -d 'A '\''kvctl
 complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l kv-dtype -r -F -d 'KV cache dtype (default: vLLM'\''s rule for the model'\''s config.json).'
 complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l world-size -r -F -d 'Tensor x pipeline parallel size of the deployment.'
 complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l hash-seed -r -F -d 'PYTHONHASHSEED of the serving process (default: from env.sh).'
-complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l offline -d 'Read only the disk and Redis tiers, no server (the only way with --config today).'
+complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l vllm-url -r -F -d 'Tokenize with a running vLLM (its OpenAI server URL) instead of a local tokenizer.'
+complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l instance -r -F -d 'A running engine: the internal API URL of worker 0 (http://127.0.0.1:7000 or unix:/path_7000).'
+complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l offline -d 'Read the disk and Redis tiers directly, no server (needs --config).'
 complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
 complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
 complete -c kvctl -n '__kvctl_at '\''lookup'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
@@ -121,6 +123,7 @@ complete -c kvctl -n '__kvctl_at '\''keys'\''' -l config -r -F -d 'A '\''kvctl c
 complete -c kvctl -n '__kvctl_at '\''keys'\''' -l kv-dtype -r -F -d 'KV cache dtype (default: vLLM'\''s rule for the model'\''s config.json).'
 complete -c kvctl -n '__kvctl_at '\''keys'\''' -l world-size -r -F -d 'Tensor x pipeline parallel size of the deployment.'
 complete -c kvctl -n '__kvctl_at '\''keys'\''' -l hash-seed -r -F -d 'PYTHONHASHSEED of the serving process (default: from env.sh).'
+complete -c kvctl -n '__kvctl_at '\''keys'\''' -l vllm-url -r -F -d 'Tokenize with a running vLLM (its OpenAI server URL) instead of a local tokenizer.'
 complete -c kvctl -n '__kvctl_at '\''keys'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
 complete -c kvctl -n '__kvctl_at '\''keys'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
 complete -c kvctl -n '__kvctl_at '\''keys'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'

@@ -29,7 +29,12 @@ HashSeed = Annotated[str | None, typer.Option("--hash-seed", help="PYTHONHASHSEE
                                               "(default: from env.sh).")]
 
 
-def load_tokens(prompt_file: str | None, chat: str | None, tokens_file: str | None, model_dir: str | None) -> list[int]:
+VllmOption = Annotated[str | None, typer.Option("--vllm-url", help="Tokenize with a running vLLM "
+                                                "(its OpenAI server URL) instead of a local tokenizer.")]
+
+
+def load_tokens(prompt_file: str | None, chat: str | None, tokens_file: str | None, model_dir: str | None,
+                vllm_url: str | None = None, model: str | None = None) -> list[int]:
     from kvctl.core import tokens
 
     given = [name for name, value in (("--prompt-file", prompt_file), ("--chat", chat),
@@ -39,6 +44,14 @@ def load_tokens(prompt_file: str | None, chat: str | None, tokens_file: str | No
                          hint="e.g. kvctl lookup --prompt-file prompt.txt --config DIR --model MODEL")
     if tokens_file:
         return tokens.read_token_ids(tokens_file)
+    if vllm_url:
+        from kvctl.clients.vllm import VLLMClient
+
+        with VLLMClient(vllm_url) as vllm:
+            name = model or vllm.models()[0]
+            if chat:
+                return vllm.tokenize(name, messages=tokens.read_chat(chat))
+            return vllm.tokenize(name, prompt=tokens.read_text(prompt_file))
     if model_dir is None:
         raise UsageError("tokenizing a prompt needs the model's tokenizer",
                          hint="pass --model with a local model directory, or --tokens-file")
@@ -59,13 +72,13 @@ def keys(
     ctx: typer.Context,
     prompt_file: PromptFile = None, chat: ChatFile = None, tokens_file: TokensFile = None,
     model: ModelOption = None, config: ConfigOption = None, kv_dtype: KvDtype = None,
-    world_size: WorldSize = 1, hash_seed: HashSeed = None,
+    world_size: WorldSize = 1, hash_seed: HashSeed = None, vllm_url: VllmOption = None,
 ) -> None:
     """Print the chunk keys LMCache makes for a prompt (per rank in tensor-parallel deployments)."""
     from kvctl.core.keys import MPKeyRecipe, chunk_bounds, chunk_hashes, key_string, mp_object_keys
 
     target = resolve(config, model, kv_dtype, world_size, hash_seed)
-    token_ids = load_tokens(prompt_file, chat, tokens_file, target.model_dir)
+    token_ids = load_tokens(prompt_file, chat, tokens_file, target.model_dir, vllm_url, target.recipe.model_name)
     recipe = target.recipe
     bounds = chunk_bounds(len(token_ids), recipe.chunk_size, getattr(recipe, "save_unfull_chunk", False))
     if isinstance(recipe, MPKeyRecipe):
@@ -85,20 +98,37 @@ def lookup(
     ctx: typer.Context,
     prompt_file: PromptFile = None, chat: ChatFile = None, tokens_file: TokensFile = None,
     model: ModelOption = None, config: ConfigOption = None, kv_dtype: KvDtype = None,
-    world_size: WorldSize = 1, hash_seed: HashSeed = None,
-    offline: Annotated[bool, typer.Option("--offline", help="Read only the disk and Redis tiers, no server "
-                                          "(the only way with --config today).")] = False,
+    world_size: WorldSize = 1, hash_seed: HashSeed = None, vllm_url: VllmOption = None,
+    instance: Annotated[str | None, typer.Option("--instance", help="A running engine: the internal API URL of "
+                                                 "worker 0 (http://127.0.0.1:7000 or unix:/path_7000).")] = None,
+    offline: Annotated[bool, typer.Option("--offline", help="Read the disk and Redis tiers directly, no server "
+                                          "(needs --config).")] = False,
 ) -> None:
     """Which chunks of a prompt are cached, on which tier, how many tokens vLLM would get, and why not.
 
     Side-effect free: never pins a chunk, never changes eviction order, never reads a value.
     """
+    out = ctx.obj
+    if instance and not offline:
+        result = live_lookup(instance, prompt_file, chat, tokens_file, model, vllm_url)
+    else:
+        if offline and config is None:
+            raise UsageError("--offline reads the tiers named in a configuration", hint="pass --config DIR")
+        result = offline_lookup(out, prompt_file, chat, tokens_file, model, config, kv_dtype, world_size, hash_seed,
+                                vllm_url)
+    out.emit(result.as_dict(), render_lookup(result))
+    for tier, message in result.errors.items():
+        out.error(f"{tier} tier: {message}")
+    if result.errors:
+        raise typer.Exit(ExitCode.PARTIAL if result.tiers_checked else ExitCode.UNREACHABLE)
+
+
+def offline_lookup(out, prompt_file, chat, tokens_file, model, config, kv_dtype, world_size, hash_seed, vllm_url):
     from kvctl.clients.stores import open_store
     from kvctl.core.lookup import lookup as run_lookup
 
     target = resolve(config, model, kv_dtype, world_size, hash_seed)
-    token_ids = load_tokens(prompt_file, chat, tokens_file, target.model_dir)
-    out = ctx.obj
+    token_ids = load_tokens(prompt_file, chat, tokens_file, target.model_dir, vllm_url, target.recipe.model_name)
     for note in target.notes:
         out.info(f"note: {note}")
     with ExitStack() as stack:
@@ -108,12 +138,30 @@ def lookup(
                 stack.callback(source.close)
             return source
 
-        result = run_lookup(token_ids, target, open_source)
-    out.emit(result.as_dict(), render_lookup(result))
-    for tier, message in result.errors.items():
-        out.error(f"{tier} tier: {message}")
-    if result.errors:
-        raise typer.Exit(ExitCode.PARTIAL if result.tiers_checked else ExitCode.UNREACHABLE)
+        return run_lookup(token_ids, target, open_source)
+
+
+def live_lookup(instance: str, prompt_file, chat, tokens_file, model, vllm_url):
+    """Ask every worker's kvctl routes (the authoritative view, CPU tier included)."""
+    from kvctl.clients.internal_api import InternalAPIClient
+    from kvctl.core.lookup import from_engine_answers
+
+    with InternalAPIClient(instance) as worker:
+        info = worker.info()
+        model_dir = model or (info["model"] if Path(info["model"]).is_dir() else None)
+        token_ids = load_tokens(prompt_file, chat, tokens_file, model_dir, vllm_url, info["model"])
+        answers = [worker.lookup(token_ids)]
+    for rank in range(1, info["world_size"]):
+        with InternalAPIClient(worker_url(instance, rank)) as other:
+            answers.append(other.lookup(token_ids))
+    return from_engine_answers(info, answers)
+
+
+def worker_url(url: str, rank: int) -> str:
+    """Worker r listens on worker 0's port + r (port_start + 1 + r)."""
+    head, _, port = url.rstrip("/").rpartition(":") if not url.startswith("unix:") else url.rpartition("_")
+    separator = "_" if url.startswith("unix:") else ":"
+    return f"{head}{separator}{int(port) + rank}"
 
 
 def render_lookup(result) -> list:

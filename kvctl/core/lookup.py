@@ -165,6 +165,22 @@ def lookup(tokens: Sequence[int], target: Target, open_source: Callable[[Store],
     return result
 
 
+def from_engine_answers(info: dict[str, Any], answers: list[dict[str, Any]]) -> LookupResult:
+    """A LookupResult from the /kvctl/v1/lookup answers of every worker of one engine: a chunk is in
+    a tier when every worker's copy is there (LMCache takes the minimum over ranks)."""
+    first = answers[0]
+    tiers_checked = [tier for tier in TIER_ORDER if all(tier in answer["tiers_checked"] for answer in answers)]
+    presence = {tier: [all(tier in answer["chunks"][i]["tiers"] for answer in answers)
+                       for i in range(len(first["chunks"]))] for tier in tiers_checked}
+    chunks = [Chunk(c["index"], c["start"], c["end"], c["key"],
+                    [tier for tier in tiers_checked if presence[tier][c["index"]]]) for c in first["chunks"]]
+    sizes = [chunk.end - chunk.start for chunk in chunks]
+    hit_tokens = {tier: sum(sizes[:prefix_chunks(presence[tier])]) if tier in presence else 0 for tier in TIER_ORDER}
+    hit_tokens["total"] = sum(sizes[:lmcache_hit_chunks(presence)])
+    return LookupResult(info["model"], "inprocess", info["chunk_size"], first["prompt_tokens"], chunks, hit_tokens,
+                        tiers_checked)
+
+
 # -- diagnosis ----------------------------------------------------------------------------------
 
 

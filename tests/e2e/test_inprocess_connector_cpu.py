@@ -58,12 +58,25 @@ def test_restarted_vllm_hits_lmcache(tiny_model, tmp_path, start_redis, with_red
             expected_tiers = ["cpu", "disk", "redis"] if redis else ["cpu", "disk"]
             wait_until(lambda: worker.lookup(tokens)["hit_tokens"]["total"] == stored, 30, "chunks on every tier")
             assert all(chunk["tiers"] == expected_tiers for chunk in worker.lookup(tokens)["chunks"])
+            prompt_file = tmp_path / "prompt.txt"
+            prompt_file.write_text(prompt)
+            live = run_kvctl("lookup", "--instance", f"http://127.0.0.1:{port_start + 1}", "--vllm-url", url,
+                             "--prompt-file", prompt_file, "--format", "json")
+            assert live.code == 0, live.stderr
+            assert json.loads(live.stdout)["hit_tokens"]["total"] == stored
+            assert json.loads(live.stdout)["chunks"][0]["tiers"] == expected_tiers
             offload = OffloadClient(offload_socket_path(worker.meta()["engine_id"], rank=0))
             assert 0 < offload.health() < 5  # the worker's ZMQ offload server answers, and again after that
             assert offload.health() < 5
     finally:
         stop_process(proc, grace=20)
     assert hit_tokens(first_log) == [0]
+    offline = run_kvctl("lookup", "--offline", "--config", tmp_path / "cfg", "--prompt-file", tmp_path / "prompt.txt",
+                        "--format", "json")  # the model comes from env.sh, the tokenizer from its directory
+    assert offline.code == 0, offline.stderr
+    report = json.loads(offline.stdout)
+    assert report["hit_tokens"]["disk"] == stored and report["prompt_tokens"] == len(tokens)
+    assert report["hit_tokens"]["redis"] == (stored if redis else 0)
 
     if redis:  # prove the Redis tier serves the restart: the disk tier is emptied first
         for path in (tmp_path / "disk").glob("*.pt"):

@@ -194,3 +194,38 @@ def test_routes_over_the_unix_socket_variant(tmp_path):
             assert client.lookup(tokens(0, 1))["hit_tokens"]["total"] == 0
     finally:
         stop_process(proc)
+
+
+@pytest.mark.slow
+def test_kvctl_lookup_against_the_live_engine(engine, tmp_path):
+    import json
+
+    store(engine, 110_000, 2)
+    prompt = tmp_path / "tokens.json"
+    prompt.write_text(json.dumps(tokens(110_000, 2) + [7] * 10))
+    result = run_kvctl("lookup", "--instance", engine["url"], "--tokens-file", prompt, "--format", "json")
+    assert result.code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["tiers_checked"] == ["cpu", "disk", "redis"]
+    assert [chunk["tiers"] for chunk in report["chunks"]] == [["cpu", "disk", "redis"]] * 2
+    assert report["hit_tokens"] == {"cpu": 2 * CHUNK, "disk": 2 * CHUNK, "redis": 2 * CHUNK, "total": 2 * CHUNK}
+    assert [chunk["key"] for chunk in report["chunks"]] == keys_of(tokens(110_000, 2))
+    down = run_kvctl("lookup", "--instance", f"http://127.0.0.1:{free_port()}", "--tokens-file", prompt)
+    assert down.code == 3 and down.stderr.startswith("error: cannot reach LMCache's internal API")
+
+
+@pytest.mark.slow
+def test_stock_endpoints_through_the_client(engine):
+    client = engine["client"]
+    assert client.version() == "0.5.6"
+    assert client.conf(["chunk_size"]) == {"chunk_size": CHUNK}
+    assert client.meta()["model_name"] == "tiny"
+    assert client.env()["PYTHONHASHSEED"] == "0"
+    assert set(client.backends()) == {"LocalCPUBackend", "LocalDiskBackend", "RemoteBackend"}
+    assert "lmcache:" in client.metrics()
+    assert client.freeze(True)["freeze"] is True and client.freeze()["freeze"] is True
+    assert client.freeze(False)["freeze"] is False
+    assert client.hot_cache()["hot_cache"] is True
+    store(engine, 120_000, 1)
+    assert client.clear(["LocalCPUBackend"])["num_removed"] >= CHUNK
+    assert client.lookup(tokens(120_000, 1))["chunks"][0]["tiers"] == ["disk", "redis"]
