@@ -7,6 +7,7 @@ _kvctl_complete() {
         word=${COMP_WORDS[i]}
         if ((skip)); then skip=0; continue; fi
         case "$kv_path|$word" in
+            "|serve") kv_path="serve"; continue ;;
             "|lookup") kv_path="lookup"; continue ;;
             "|keys") kv_path="keys"; continue ;;
             "|version") kv_path="version"; continue ;;
@@ -23,6 +24,7 @@ _kvctl_complete() {
         valued=""
         case "$kv_path" in
             "") valued=" --format " ;;
+            "serve") valued=" --mode --tier --config --host --port --internal-api-port-start --mp-port --mp-http-port --name --state --format " ;;
             "lookup") valued=" --prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --instance --format " ;;
             "keys") valued=" --prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --format " ;;
             "version") valued=" --format " ;;
@@ -41,6 +43,17 @@ _kvctl_complete() {
     if ((skip)); then
         case "$kv_path|$prev" in
             "|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
+            "serve|--mode") COMPREPLY=($(compgen -W "inprocess mp" -- "$cur")); return ;;
+            "serve|--tier") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "serve|--config") COMPREPLY=($(compgen -d -- "$cur")); return ;;
+            "serve|--host") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "serve|--port") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "serve|--internal-api-port-start") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "serve|--mp-port") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "serve|--mp-http-port") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "serve|--name") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "serve|--state") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "serve|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
             "lookup|--prompt-file") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "lookup|--chat") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "lookup|--tokens-file") COMPREPLY=($(compgen -f -- "$cur")); return ;;
@@ -92,6 +105,7 @@ _kvctl_complete() {
     if [[ $cur == -* ]]; then
         case "$kv_path" in
             "") words="--format --debug -q --quiet --show-completion --install-completion -h --help" ;;
+            "serve") words="--mode --tier --config --host --port --internal-api-port-start --mp-port --mp-http-port --name --state --dry-run --format --debug -q --quiet -h --help" ;;
             "lookup") words="--prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --instance --offline --format --debug -q --quiet -h --help" ;;
             "keys") words="--prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --format --debug -q --quiet -h --help" ;;
             "version") words="--format --debug -q --quiet -h --help" ;;
@@ -107,7 +121,8 @@ _kvctl_complete() {
         esac
     else
         case "$kv_path" in
-            "") words="lookup keys version config model completion" ;;
+            "") words="serve lookup keys version config model completion" ;;
+            "serve") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "config") words="init validate show" ;;
             "config validate") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "config show") COMPREPLY=($(compgen -f -- "$cur")); return ;;

@@ -10,6 +10,9 @@ function __kvctl_path
             continue
         end
         switch "$kv_path|$word"
+            case '|serve'
+                set kv_path 'serve'
+                continue
             case '|lookup'
                 set kv_path 'lookup'
                 continue
@@ -51,6 +54,8 @@ function __kvctl_path
         switch "$kv_path"
             case ''
                 set valued --format
+            case 'serve'
+                set valued --mode --tier --config --host --port --internal-api-port-start --mp-port --mp-http-port --name --state --format
             case 'lookup'
                 set valued --prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --instance --format
             case 'keys'
@@ -88,6 +93,7 @@ function __kvctl_at
 end
 
 complete -c kvctl -f
+complete -c kvctl -f -n '__kvctl_at '\'''\''' -a serve -d 'Launch vLLM with LMCache, wait until every part is ready, print the...'
 complete -c kvctl -f -n '__kvctl_at '\'''\''' -a lookup -d 'Which chunks of a prompt are cached, on which tier, how many tokens...'
 complete -c kvctl -f -n '__kvctl_at '\'''\''' -a keys -d 'Print the chunk keys LMCache makes for a prompt (per rank in...'
 complete -c kvctl -f -n '__kvctl_at '\'''\''' -a version -d 'Show the versions of kvctl, LMCache, vLLM, torch and Python, and...'
@@ -100,6 +106,22 @@ complete -c kvctl -n '__kvctl_at '\'''\''' -s q -l quiet -d 'Only data on stdout
 complete -c kvctl -n '__kvctl_at '\'''\''' -l show-completion -d 'Print the completion script for your shell.'
 complete -c kvctl -n '__kvctl_at '\'''\''' -l install-completion -d 'Install completion for your shell.'
 complete -c kvctl -n '__kvctl_at '\'''\''' -s h -l help -d 'Show help and exit.'
+complete -c kvctl -n '__kvctl_at '\''serve'\''' -r -F
+complete -c kvctl -n '__kvctl_at '\''serve'\''' -l mode -x -a 'inprocess mp' -d 'inprocess (LMCacheConnectorV1) or mp (LMCacheMPConnector + lmcache server).'
+complete -c kvctl -n '__kvctl_at '\''serve'\''' -l tier -r -F -d 'Cache tiers as for '\''kvctl config init'\'' (default: cpu and disk, sized from this machine).'
+complete -c kvctl -n '__kvctl_at '\''serve'\''' -l config -x -a '(__fish_complete_directories)' -d 'Use this '\''kvctl config init'\'' directory instead of generating one.'
+complete -c kvctl -n '__kvctl_at '\''serve'\''' -l host -r -F -d 'Address vLLM listens on.'
+complete -c kvctl -n '__kvctl_at '\''serve'\''' -l port -r -F -d 'vLLM'\''s OpenAI server port.'
+complete -c kvctl -n '__kvctl_at '\''serve'\''' -l internal-api-port-start -r -F -d 'LMCache internal API ports (in-process).'
+complete -c kvctl -n '__kvctl_at '\''serve'\''' -l mp-port -r -F -d 'MP mode: the lmcache server'\''s request port.'
+complete -c kvctl -n '__kvctl_at '\''serve'\''' -l mp-http-port -r -F -d 'MP mode: the lmcache server'\''s HTTP port.'
+complete -c kvctl -n '__kvctl_at '\''serve'\''' -l name -r -F -d 'Name of this instance (its files live under kvctl'\''s cache).'
+complete -c kvctl -n '__kvctl_at '\''serve'\''' -l state -r -F -d 'State file other kvctl commands read (default: kvctl'\''s cache/serve/state.json).'
+complete -c kvctl -n '__kvctl_at '\''serve'\''' -l dry-run -d 'Print the commands and environment; start nothing.'
+complete -c kvctl -n '__kvctl_at '\''serve'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
+complete -c kvctl -n '__kvctl_at '\''serve'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
+complete -c kvctl -n '__kvctl_at '\''serve'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
+complete -c kvctl -n '__kvctl_at '\''serve'\''' -s h -l help -d 'Show help and exit.'
 complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l prompt-file -r -F -d 'UTF-8 text sent as a completion prompt (- for stdin).'
 complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l chat -r -F -d 'JSON list of {role, content} messages, rendered with the model'\''s chat template (- for stdin).'
 complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l tokens-file -r -F -d 'JSON list of token ids; no tokenizer needed (- for stdin).'

@@ -7,8 +7,10 @@ honours NO_COLOR and drops styling when the stream is not a terminal.
 
 from __future__ import annotations
 
+import re
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 FORMATS = ("table", "json")
@@ -61,6 +63,29 @@ class Output:
         sys.stdout.flush()
 
     # -- messages (stderr) -----------------------------------------------------------------
+
+    @contextmanager
+    def status(self, message: str) -> Iterator[Callable[[str], None]]:
+        """A live status line on a terminal (a spinner with the latest message); elsewhere each new
+        phase once, as a plain line. Yields the function that updates it."""
+        if self.quiet:
+            yield lambda _message: None
+            return
+        console = self._console(err=True)
+        if console.is_terminal:
+            with console.status(escape(message)) as live:
+                yield lambda text: live.update(escape(text))
+            return
+        last = [None]
+
+        def update(text: str) -> None:
+            phase = re.sub(r"\s*\(\d+ s\)$", "", text)
+            if phase != last[0]:
+                last[0] = phase
+                console.print(phase, markup=False)
+
+        update(message)
+        yield update
 
     def info(self, message: str) -> None:
         if not self.quiet:

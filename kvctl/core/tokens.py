@@ -51,12 +51,15 @@ def read_text(path: str) -> str:
         raise KvctlError(f"{path} is not UTF-8 text (byte {error.start})", hint="convert it to UTF-8") from None
 
 
-def read_chat(path: str) -> list[dict[str, Any]]:
+def read_json(path: str, shape_hint: str) -> Any:
     try:
-        messages = json.loads(read_text(path))
+        return json.loads(read_text(path))
     except json.JSONDecodeError as error:
-        raise KvctlError(f"{path} is not valid JSON (line {error.lineno}): {error.msg}",
-                         hint='a chat file is a JSON list of {"role": …, "content": …} messages') from None
+        raise KvctlError(f"{path} is not valid JSON (line {error.lineno}): {error.msg}", hint=shape_hint) from None
+
+
+def read_chat(path: str) -> list[dict[str, Any]]:
+    messages = read_json(path, 'a chat file is a JSON list of {"role": …, "content": …} messages')
     if not isinstance(messages, list) or not messages or not all(
             isinstance(message, dict) and isinstance(message.get("role"), str) and "content" in message
             for message in messages):
@@ -66,11 +69,7 @@ def read_chat(path: str) -> list[dict[str, Any]]:
 
 
 def read_token_ids(path: str) -> list[int]:
-    try:
-        tokens = json.loads(read_text(path))
-    except json.JSONDecodeError as error:
-        raise KvctlError(f"{path} is not valid JSON (line {error.lineno}): {error.msg}",
-                         hint="a tokens file is a JSON list of token ids, e.g. [1, 415, 2936]") from None
+    tokens = read_json(path, "a tokens file is a JSON list of token ids, e.g. [1, 415, 2936]")
     if not isinstance(tokens, list) or not tokens or not all(
             isinstance(token, int) and not isinstance(token, bool) and token >= 0 for token in tokens):
         raise KvctlError(f"{path} is not a non-empty JSON list of token ids",

@@ -60,7 +60,9 @@ def test_offline_lookup_finds_what_the_mp_server_stored(tiny_model, tmp_path, st
     assert report["mode"] == "mp" and report["tiers_checked"] == ["disk", "redis"]
     assert report["hit_tokens"] == {"cpu": 0, "disk": stored, "redis": stored, "total": stored} and stored >= 512
     assert [chunk["key"] for chunk in report["chunks"]] == [ranks[0].native_key() for ranks in expected]
-    other = run_kvctl("lookup", "--offline", "--config", tmp_path / "cfg", "--prompt-file", prompt_file,
+    tokens_file = tmp_path / "tokens.json"
+    tokens_file.write_text(json.dumps(tokens))
+    other = run_kvctl("lookup", "--offline", "--config", tmp_path / "cfg", "--tokens-file", tokens_file,
                       "--model", "not/the/model", "--kv-dtype", "bfloat16", "--format", "json")
     assert json.loads(other.stdout)["diagnostics"][-1]["cause"] == "model_name_mismatch"
     assert re.search(r"L1 \(cpu\) tier", result.stderr)

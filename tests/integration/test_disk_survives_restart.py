@@ -18,8 +18,8 @@ def run_engine(config_dir, log, url):
     return proc
 
 
-@pytest.mark.slow
-def test_restarted_engine_gets_disk_hits_and_reports_what_it_skipped(tmp_path):
+def first_run(tmp_path):
+    """A CPU + disk engine that stores 4 chunks and stops: (config dir, disk dir, worker URL)."""
     port_start = free_port()
     disk = tmp_path / "disk"
     assert run_kvctl("config", "init", "--out", tmp_path / "cfg", "--tier", "cpu:0.1", "--tier", f"disk:{disk}:1",
@@ -31,6 +31,12 @@ def test_restarted_engine_gets_disk_hits_and_reports_what_it_skipped(tmp_path):
         wait_until(lambda: len(list(disk.glob("*.pt"))) == 4, 30, "disk files")
     finally:
         stop_process(proc)
+    return tmp_path / "cfg", disk, url
+
+
+@pytest.mark.slow
+def test_restarted_engine_gets_disk_hits_and_reports_what_it_skipped(tmp_path):
+    config, disk, url = first_run(tmp_path)
     keys = inprocess_keys(list(range(4 * CHUNK)), KeyRecipe("tiny", CHUNK, "sha256_cbor", "0", kv_dtype="half"))
     (disk / "garbage.pt").write_bytes(b"x" * 100)  # not a key: skipped and reported
     (disk / disk_file_name(keys[0].replace("@half", "@bfloat16"))).write_bytes(b"\0" * CHUNK_BYTES)  # another engine
@@ -39,7 +45,7 @@ def test_restarted_engine_gets_disk_hits_and_reports_what_it_skipped(tmp_path):
     os.utime(disk / disk_file_name(keys[3]), (1, 1))  # the oldest file: indexed first, evicted first
     before = sorted(path.name for path in disk.iterdir())
 
-    proc = run_engine(tmp_path / "cfg", tmp_path / "second.log", url)
+    proc = run_engine(config, tmp_path / "second.log", url)
     try:
         with InternalAPIClient(url) as client:
             report = client.info()["disk_index"][0]
@@ -60,19 +66,9 @@ def test_restarted_engine_gets_disk_hits_and_reports_what_it_skipped(tmp_path):
 
 @pytest.mark.slow
 def test_files_beyond_the_budget_are_left_alone(tmp_path):
-    port_start = free_port()
-    disk = tmp_path / "disk"
-    assert run_kvctl("config", "init", "--out", tmp_path / "cfg", "--tier", "cpu:0.1", "--tier", f"disk:{disk}:1",
-                     "--internal-api-port-start", port_start).code == 0
-    url = f"http://127.0.0.1:{port_start + 1}"
-    proc = run_engine(tmp_path / "cfg", tmp_path / "first.log", url)
-    try:
-        http_json("POST", f"{url}/cache/store", params={"tokens_mock": f"0,{4 * CHUNK}"})
-        wait_until(lambda: len(list(disk.glob("*.pt"))) == 4, 30, "disk files")
-    finally:
-        stop_process(proc)
-    edit_yaml(tmp_path / "cfg" / "lmcache.yaml", max_local_disk_size=2.5 * CHUNK_BYTES / 1024**3)
-    proc = run_engine(tmp_path / "cfg", tmp_path / "second.log", url)
+    config, disk, url = first_run(tmp_path)
+    edit_yaml(config / "lmcache.yaml", max_local_disk_size=2.5 * CHUNK_BYTES / 1024**3)
+    proc = run_engine(config, tmp_path / "second.log", url)
     try:
         with InternalAPIClient(url) as client:
             report = client.info()["disk_index"][0]

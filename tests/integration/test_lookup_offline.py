@@ -47,6 +47,16 @@ def lookup(deployment, *extra, config=None):
     return result, (json.loads(result.stdout) if result.stdout else None)
 
 
+def config_copy(deployment, tmp_path, **changes):
+    """The deployment's configuration directory, copied, with lmcache.yaml changed; None removes a key."""
+    config = tmp_path / "cfg"
+    shutil.copytree(deployment["config"], config)
+    values = yaml.safe_load((config / "lmcache.yaml").read_text())
+    values.update(changes)
+    (config / "lmcache.yaml").write_text(yaml.safe_dump({k: v for k, v in values.items() if v is not None}))
+    return config
+
+
 def causes(report):
     return [d["cause"] for d in report["diagnostics"]]
 
@@ -106,11 +116,7 @@ def test_diagnosis_dtype_mismatch(deployment):
 @pytest.mark.parametrize(("change", "cause"), [({"chunk_size": 512}, "chunk_size_mismatch"),
                                                ({"pre_caching_hash_algorithm": "builtin"}, "hash_algorithm_mismatch")])
 def test_diagnosis_config_mismatch(deployment, tmp_path, change, cause):
-    config = tmp_path / "cfg"
-    shutil.copytree(deployment["config"], config)
-    values = yaml.safe_load((config / "lmcache.yaml").read_text())
-    (config / "lmcache.yaml").write_text(yaml.safe_dump({**values, **change}))
-    result, report = lookup(deployment, config=config)
+    result, report = lookup(deployment, config=config_copy(deployment, tmp_path, **change))
     assert report["hit_tokens"]["total"] == 0
     assert causes(report)[-1] == cause, report["diagnostics"]
 
@@ -119,12 +125,7 @@ def test_diagnosis_config_mismatch(deployment, tmp_path, change, cause):
 def test_missing_middle_chunk_stops_the_hit(deployment, tmp_path):
     disk = tmp_path / "disk"
     shutil.copytree(deployment["root"] / "disk", disk)
-    config = tmp_path / "cfg"
-    shutil.copytree(deployment["config"], config)
-    values = yaml.safe_load((config / "lmcache.yaml").read_text())
-    values["local_disk"] = f"file://{disk}/"
-    values.pop("remote_url")
-    (config / "lmcache.yaml").write_text(yaml.safe_dump(values))
+    config = config_copy(deployment, tmp_path, local_disk=f"file://{disk}/", remote_url=None)
     keys = inprocess_keys(list(range(STORED)), KeyRecipe("tiny", CHUNK, "sha256_cbor", "0", kv_dtype="half"))
     (disk / disk_file_name(keys[2])).unlink()
     result, report = lookup(deployment, config=config)
@@ -135,11 +136,7 @@ def test_missing_middle_chunk_stops_the_hit(deployment, tmp_path):
 
 @pytest.mark.slow
 def test_unreachable_redis_is_a_partial_result(deployment, tmp_path):
-    config = tmp_path / "cfg"
-    shutil.copytree(deployment["config"], config)
-    values = yaml.safe_load((config / "lmcache.yaml").read_text())
-    values["remote_url"] = f"redis://127.0.0.1:{free_port()}"
-    (config / "lmcache.yaml").write_text(yaml.safe_dump(values))
+    config = config_copy(deployment, tmp_path, remote_url=f"redis://127.0.0.1:{free_port()}")
     result, report = lookup(deployment, config=config)
     assert result.code == 6
     assert report["hit_tokens"]["disk"] == STORED and report["tiers_checked"] == ["disk"]
@@ -150,15 +147,10 @@ def test_unreachable_redis_is_a_partial_result(deployment, tmp_path):
 @pytest.mark.slow
 def test_redis_auth_failure_is_reported(deployment, tmp_path, start_redis):
     locked = start_redis(password="sesame")
-    config = tmp_path / "cfg"
-    shutil.copytree(deployment["config"], config)
-    values = yaml.safe_load((config / "lmcache.yaml").read_text())
-    values["remote_url"] = f"redis://127.0.0.1:{locked.port}"
-    (config / "lmcache.yaml").write_text(yaml.safe_dump(values))
+    config = config_copy(deployment, tmp_path / "no-password", remote_url=f"redis://127.0.0.1:{locked.port}")
     result, report = lookup(deployment, config=config)
     assert result.code == 6 and "refused the credentials" in report["errors"]["redis"]
-    values["remote_url"] = f"redis://:sesame@127.0.0.1:{locked.port}"
-    (config / "lmcache.yaml").write_text(yaml.safe_dump(values))
+    config = config_copy(deployment, tmp_path / "password", remote_url=f"redis://:sesame@127.0.0.1:{locked.port}")
     result, report = lookup(deployment, config=config)
     assert result.code == 0 and report["tiers_checked"] == ["disk", "redis"]
     assert report["hit_tokens"]["redis"] == 0

@@ -1,0 +1,126 @@
+"""`kvctl serve`: vLLM with LMCache (and the LMCache server in MP mode), supervised."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvctl.cli.options import Mode
+from kvctl.core.errors import ExitCode
+from kvctl.output import Table, escape
+
+
+def serve(
+    ctx: typer.Context,
+    model: Annotated[str | None, typer.Argument(help="Model directory or hub id (default: kvctl's tiny model, "
+                                                "built on first use).")] = None,
+    mode: Annotated[Mode, typer.Option(help="inprocess (LMCacheConnectorV1) or mp (LMCacheMPConnector + "
+                                       "lmcache server).")] = Mode.inprocess,
+    tier: Annotated[list[str] | None, typer.Option(help="Cache tiers as for 'kvctl config init' (default: cpu and "
+                                                   "disk, sized from this machine).")] = None,
+    config: Annotated[Path | None, typer.Option(help="Use this 'kvctl config init' directory instead of "
+                                                "generating one.", file_okay=False)] = None,
+    host: Annotated[str, typer.Option(help="Address vLLM listens on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="vLLM's OpenAI server port.")] = 8000,
+    internal_api_port_start: Annotated[int, typer.Option(help="LMCache internal API ports (in-process).")] = 6999,
+    mp_port: Annotated[int, typer.Option(help="MP mode: the lmcache server's request port.")] = 5555,
+    mp_http_port: Annotated[int, typer.Option(help="MP mode: the lmcache server's HTTP port.")] = 8080,
+    name: Annotated[str, typer.Option(help="Name of this instance (its files live under kvctl's cache).")] = "default",
+    state: Annotated[Path | None, typer.Option(help="State file other kvctl commands read (default: kvctl's "
+                                               "cache/serve/state.json).")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the commands and environment; start "
+                                          "nothing.")] = False,
+) -> None:
+    """Launch vLLM with LMCache, wait until every part is ready, print the endpoints, and supervise.
+
+    Extra vLLM arguments go after `--`. Ctrl-C (or SIGTERM) stops everything in order.
+    """
+    from kvctl.core.launch import build_plan, preflight
+    from kvctl.core.tiers import parse_tier
+
+    out = ctx.obj
+    extra_vllm_args = list(ctx.args)
+    if model is not None and model.startswith("-"):  # `kvctl serve -- --flag …`: no model, only vLLM arguments
+        extra_vllm_args.insert(0, model)
+        model = None
+    plan = build_plan(name=name, model=model, mode=mode.value, tiers=[parse_tier(t) for t in tier or []], config=config,
+                      host=host, port=port, internal_api_port_start=internal_api_port_start, mp_port=mp_port,
+                      mp_http_port=mp_http_port, state_file=state, extra_vllm_args=extra_vllm_args, write=not dry_run)
+    if dry_run:
+        out.emit(plan.as_dict(), _plan_lines(plan))
+        return
+    ports = [port] + ([mp_port, mp_http_port] if plan.mode == "mp" else
+                      [int(url.rsplit(":", 1)[1]) for url in plan.endpoints["internal_api"]])
+    preflight(plan, host, ports)
+    _run(out, plan)
+
+
+def _run(out, plan) -> None:
+    from kvctl.core.launch import write_state
+    from kvctl.core.supervisor import Supervisor
+
+    supervisor = Supervisor(plan)
+    previous = {signum: signal.signal(signum, supervisor.request_stop) for signum in (signal.SIGINT, signal.SIGTERM)}
+    state_path = Path(plan.state_file)
+    try:
+        with out.status("preparing") as update:
+            supervisor.on_progress = update
+            _ensure_tiny_model(plan, update)
+            pids = supervisor.start()
+        if supervisor.stop_requested is None:
+            extra = _offload_endpoint(plan)
+            write_state(plan, pids, extra)
+            endpoints = {**plan.endpoints, **extra}
+            out.emit({"name": plan.name, "mode": plan.mode, "model": plan.model, "endpoints": endpoints,
+                      "logs": {c.name: c.log for c in plan.components}, "state_file": str(state_path)},
+                     [Table(["endpoint", "address"], [(k, ", ".join(v) if isinstance(v, list) else v)
+                                                     for k, v in endpoints.items()],
+                            title=f"kvctl serve {plan.name} ({plan.mode}) is ready",
+                            caption=f"logs in {Path(plan.components[0].log).parent}; Ctrl-C stops")])
+            supervisor.watch()
+    finally:
+        with out.status("stopping") as update:
+            supervisor.on_progress = update
+            supervisor.stop()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if state_path.exists():
+            state_path.unlink()
+    if supervisor.stop_requested == signal.SIGINT:
+        raise typer.Exit(ExitCode.INTERRUPTED)
+    out.success(f"stopped {plan.name}")
+
+
+def _ensure_tiny_model(plan, update) -> None:
+    from kvctl.core.paths import models_dir
+    from kvctl.core.tiny_model import build_tiny_model
+
+    if plan.model == str(models_dir() / "tiny"):
+        update("building the tiny model")
+        build_tiny_model(Path(plan.model))
+
+
+def _offload_endpoint(plan) -> dict:
+    """In-process mode: where worker 0's ZMQ offload server listens (its engine id is in /meta)."""
+    if plan.mode != "inprocess":
+        return {}
+    from kvctl.clients.internal_api import InternalAPIClient
+    from kvctl.clients.offload import offload_socket_path
+
+    with InternalAPIClient(plan.endpoints["internal_api"][1]) as worker:
+        return {"offload_socket": offload_socket_path(worker.meta().get("engine_id") or "default")}
+
+
+def _plan_lines(plan) -> list[str]:
+    """The plan as shell commands a person could paste, one block per component."""
+    import shlex
+
+    lines = []
+    for component in plan.components:
+        env = " ".join(f"{key}={shlex.quote(value)}" for key, value in sorted(component.env.items()))
+        lines.append(escape(f"# {component.name} (log: {component.log})\n{env} \\\n  {shlex.join(component.argv)}\n"))
+    lines.append(escape(f"# configuration: {plan.config_dir}; state file: {plan.state_file}"))
+    return lines

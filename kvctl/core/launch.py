@@ -1,0 +1,185 @@
+"""`kvctl serve`'s launch plan: which processes to start, with which command lines and environment,
+and how to tell that each is ready. Building a plan starts nothing (`--dry-run` prints it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from dataclasses import asdict, dataclass, field
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
+
+from kvctl.core.config_init import (
+    DEFAULT_INTERNAL_API_PORT_START,
+    DEFAULT_MP_HTTP_PORT,
+    DEFAULT_MP_PORT,
+    ConfigRequest,
+    build_config,
+    mp_server_argv,
+    write_files,
+)
+from kvctl.core.errors import KvctlError, UsageError
+from kvctl.core.lmcache_config import CONFIG_FILE, ENV_FILE, KV_TRANSFER_FILE, MP_CONNECTOR, parse_env_file, read_text
+from kvctl.core.paths import cache_dir, models_dir
+from kvctl.core.tiers import TierSpec
+
+DEFAULT_PORT = 8000
+LOOPBACK = "127.0.0.1"
+QUIET_ENV = {"LMCACHE_DISABLE_BANNER": "1", "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1",
+             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+@dataclass
+class Readiness:
+    kind: str  # "http" (GET answers 200) or "path" (a file exists)
+    target: str
+    label: str
+
+
+@dataclass
+class Component:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log: str
+    ready: list[Readiness] = field(default_factory=list)
+
+
+@dataclass
+class LaunchPlan:
+    name: str
+    mode: str
+    model: str
+    config_dir: str
+    state_file: str
+    components: list[Component]
+    endpoints: dict[str, Any]
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def serve_dir(name: str) -> Path:
+    return cache_dir() / "serve" / name
+
+
+def default_state_file() -> Path:
+    """Where the most recent `kvctl serve` records itself; every other command reads it by default."""
+    return cache_dir() / "serve" / "state.json"
+
+
+def port_free(port: int, host: str = LOOPBACK) -> bool:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def check_model_dir(model: str) -> None:
+    path = Path(model)
+    if not path.is_dir():
+        return  # a hub id: vLLM resolves it (offline, from its cache)
+    if not (path / "config.json").is_file():
+        raise UsageError(f"{model} has no config.json: not a model directory", hint="give a Hugging Face model directory")
+    if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise UsageError(f"{model} has no tokenizer", hint="give a model directory that includes its tokenizer")
+
+
+def check_installed(mode: str) -> None:
+    missing = [name for name in ("vllm", "lmcache") if find_spec(name) is None]
+    if missing:
+        raise KvctlError(f"{' and '.join(missing)} not installed in this environment",
+                         hint="run the set-up command: ./scripts/setup (or make setup)")
+
+
+def build_plan(*, name: str = "default", model: str | None, mode: str = "inprocess", tiers: list[TierSpec],
+               config: Path | None, host: str = LOOPBACK, port: int = DEFAULT_PORT,
+               internal_api_port_start: int = DEFAULT_INTERNAL_API_PORT_START, mp_port: int = DEFAULT_MP_PORT,
+               mp_http_port: int = DEFAULT_MP_HTTP_PORT, state_file: Path | None = None,
+               extra_vllm_args: list[str] = (), write: bool = True) -> LaunchPlan:
+    """The plan; with `write`, the generated configuration is written to kvctl's serve directory."""
+    model = model or str(models_dir() / "tiny")
+    base = serve_dir(name)
+    if config is None:
+        config = base / "config"
+        request = ConfigRequest(mode=mode, tiers=tiers or [TierSpec("cpu"), TierSpec("disk", path=str(base / "disk"))],
+                                internal_api_port_start=internal_api_port_start, mp_port=mp_port,
+                                mp_http_port=mp_http_port, model=model, instance_id=f"kvctl-{name}")
+        generated = build_config(request, config)
+        if write:
+            write_files(generated.render(config.absolute()), config, force=True)
+        lmcache_values, kv_transfer, env_file = generated.lmcache, generated.kv_transfer, generated.env
+    else:
+        import yaml
+
+        lmcache_values = yaml.safe_load(read_text(config / CONFIG_FILE)) or {}
+        kv_transfer = json.loads(read_text(config / KV_TRANSFER_FILE))
+        env_file = parse_env_file(read_text(config / ENV_FILE)) if (config / ENV_FILE).exists() else {}
+        mode = "mp" if kv_transfer.get("kv_connector") == MP_CONNECTOR else "inprocess"
+    logs = base / "logs"
+    env = {**QUIET_ENV, "PYTHONHASHSEED": env_file.get("PYTHONHASHSEED", "0")}
+    components = []
+    endpoints: dict[str, Any] = {"openai": f"http://{host}:{port}/v1", "vllm": f"http://{host}:{port}"}
+    if mode == "mp":
+        http = f"http://{lmcache_values.get('http_host', LOOPBACK)}:{lmcache_values.get('http_port', mp_http_port)}"
+        components.append(Component("lmcache-server", [sys.executable, "-m", "lmcache.v1.multiprocess.http_server",
+                                                       *mp_server_argv(lmcache_values)],
+                                    env, str(logs / "lmcache-server.log"),
+                                    [Readiness("http", f"{http}/healthcheck", "LMCache MP server")]))
+        endpoints["mp_http"] = http
+    else:
+        env = {**env, "LMCACHE_CONFIG_FILE": str((config / CONFIG_FILE).absolute())}
+        start = int(lmcache_values.get("internal_api_server_port_start", internal_api_port_start))
+        endpoints["internal_api"] = [f"http://{LOOPBACK}:{start}", f"http://{LOOPBACK}:{start + 1}"]
+    vllm_env = dict(env)
+    if model == str(models_dir() / "tiny"):
+        vllm_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # the tiny model needs little KV space
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
+            "--port", str(port), "--kv-transfer-config", json.dumps(kv_transfer), *extra_vllm_args]
+    ready = [Readiness("http", f"http://{host}:{port}/health", "vLLM")]
+    if mode == "inprocess":
+        ready.append(Readiness("http", f"{endpoints['internal_api'][1]}/lmc_version", "LMCache worker API"))
+    components.append(Component("vllm", argv, vllm_env, str(logs / "vllm.log"), ready))
+    return LaunchPlan(name, mode, model, str(config.absolute()), str(state_file or default_state_file()),
+                      components, endpoints)
+
+
+def preflight(plan: LaunchPlan, host: str, ports: list[int]) -> None:
+    """Refuse clearly before starting anything."""
+    check_installed(plan.mode)
+    if not Path(plan.model).exists() and plan.model == str(models_dir() / "tiny"):
+        return  # built right before launch
+    check_model_dir(plan.model)
+    for port in ports:
+        if not port_free(port, host if host != "0.0.0.0" else LOOPBACK):
+            raise UsageError(f"port {port} is already in use", hint="stop what listens there, or choose other ports "
+                             "(--port, --internal-api-port-start, --mp-port, --mp-http-port)")
+
+
+def write_state(plan: LaunchPlan, pids: dict[str, int], extra: dict[str, Any]) -> Path:
+    path = Path(plan.state_file)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {"name": plan.name, "mode": plan.mode, "model": plan.model, "config_dir": plan.config_dir,
+             "kvctl_pid": os.getpid(), "endpoints": {**plan.endpoints, **extra},
+             "processes": [{"name": c.name, "pid": pids.get(c.name), "log": c.log} for c in plan.components]}
+    temp = path.with_suffix(".tmp")
+    temp.write_text(json.dumps(state, indent=2) + "\n")
+    os.replace(temp, path)
+    return path
+
+
+def read_state(path: Path | None = None) -> dict[str, Any]:
+    path = path or default_state_file()
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise KvctlError(f"no kvctl serve state at {path}", hint="start one with 'kvctl serve', or pass --instance URL") from None
+    except ValueError:
+        raise KvctlError(f"{path} is not a kvctl state file", hint="pass --state with the file kvctl serve wrote") from None
