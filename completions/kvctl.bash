@@ -8,6 +8,7 @@ _kvctl_complete() {
         if ((skip)); then skip=0; continue; fi
         case "$kv_path|$word" in
             "|serve") kv_path="serve"; continue ;;
+            "|prewarm") kv_path="prewarm"; continue ;;
             "|lookup") kv_path="lookup"; continue ;;
             "|keys") kv_path="keys"; continue ;;
             "|version") kv_path="version"; continue ;;
@@ -25,7 +26,8 @@ _kvctl_complete() {
         case "$kv_path" in
             "") valued=" --format " ;;
             "serve") valued=" --mode --tier --config --host --port --internal-api-port-start --mp-port --mp-http-port --name --state --format " ;;
-            "lookup") valued=" --prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --instance --format " ;;
+            "prewarm") valued=" --concurrency --from-tier --instance --vllm-url --state --format " ;;
+            "lookup") valued=" --prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --instance --state --format " ;;
             "keys") valued=" --prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --format " ;;
             "version") valued=" --format " ;;
             "config") valued=" --format " ;;
@@ -54,6 +56,12 @@ _kvctl_complete() {
             "serve|--name") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "serve|--state") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "serve|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
+            "prewarm|--concurrency") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "prewarm|--from-tier") COMPREPLY=($(compgen -W "disk redis" -- "$cur")); return ;;
+            "prewarm|--instance") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "prewarm|--vllm-url") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "prewarm|--state") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "prewarm|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
             "lookup|--prompt-file") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "lookup|--chat") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "lookup|--tokens-file") COMPREPLY=($(compgen -f -- "$cur")); return ;;
@@ -64,6 +72,7 @@ _kvctl_complete() {
             "lookup|--hash-seed") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "lookup|--vllm-url") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "lookup|--instance") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "lookup|--state") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "lookup|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
             "keys|--prompt-file") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "keys|--chat") COMPREPLY=($(compgen -f -- "$cur")); return ;;
@@ -106,7 +115,8 @@ _kvctl_complete() {
         case "$kv_path" in
             "") words="--format --debug -q --quiet --show-completion --install-completion -h --help" ;;
             "serve") words="--mode --tier --config --host --port --internal-api-port-start --mp-port --mp-http-port --name --state --dry-run --format --debug -q --quiet -h --help" ;;
-            "lookup") words="--prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --instance --offline --format --debug -q --quiet -h --help" ;;
+            "prewarm") words="--chat --concurrency --from-tier --instance --vllm-url --state --format --debug -q --quiet -h --help" ;;
+            "lookup") words="--prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --instance --offline --state --format --debug -q --quiet -h --help" ;;
             "keys") words="--prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --format --debug -q --quiet -h --help" ;;
             "version") words="--format --debug -q --quiet -h --help" ;;
             "config") words="--format --debug -q --quiet -h --help" ;;
@@ -121,8 +131,9 @@ _kvctl_complete() {
         esac
     else
         case "$kv_path" in
-            "") words="serve lookup keys version config model completion" ;;
+            "") words="serve prewarm lookup keys version config model completion" ;;
             "serve") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "prewarm") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "config") words="init validate show" ;;
             "config validate") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "config show") COMPREPLY=($(compgen -f -- "$cur")); return ;;

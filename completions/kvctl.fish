@@ -13,6 +13,9 @@ function __kvctl_path
             case '|serve'
                 set kv_path 'serve'
                 continue
+            case '|prewarm'
+                set kv_path 'prewarm'
+                continue
             case '|lookup'
                 set kv_path 'lookup'
                 continue
@@ -56,8 +59,10 @@ function __kvctl_path
                 set valued --format
             case 'serve'
                 set valued --mode --tier --config --host --port --internal-api-port-start --mp-port --mp-http-port --name --state --format
+            case 'prewarm'
+                set valued --concurrency --from-tier --instance --vllm-url --state --format
             case 'lookup'
-                set valued --prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --instance --format
+                set valued --prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --instance --state --format
             case 'keys'
                 set valued --prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --format
             case 'version'
@@ -94,6 +99,7 @@ end
 
 complete -c kvctl -f
 complete -c kvctl -f -n '__kvctl_at '\'''\''' -a serve -d 'Launch vLLM with LMCache, wait until every part is ready, print the...'
+complete -c kvctl -f -n '__kvctl_at '\'''\''' -a prewarm -d 'Send prompts to vLLM as prefill-only requests (max_tokens 1), then...'
 complete -c kvctl -f -n '__kvctl_at '\'''\''' -a lookup -d 'Which chunks of a prompt are cached, on which tier, how many tokens...'
 complete -c kvctl -f -n '__kvctl_at '\'''\''' -a keys -d 'Print the chunk keys LMCache makes for a prompt (per rank in...'
 complete -c kvctl -f -n '__kvctl_at '\'''\''' -a version -d 'Show the versions of kvctl, LMCache, vLLM, torch and Python, and...'
@@ -122,6 +128,17 @@ complete -c kvctl -n '__kvctl_at '\''serve'\''' -l format -x -a 'table json' -d 
 complete -c kvctl -n '__kvctl_at '\''serve'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
 complete -c kvctl -n '__kvctl_at '\''serve'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
 complete -c kvctl -n '__kvctl_at '\''serve'\''' -s h -l help -d 'Show help and exit.'
+complete -c kvctl -n '__kvctl_at '\''prewarm'\''' -r -F
+complete -c kvctl -n '__kvctl_at '\''prewarm'\''' -l chat -d 'Files are JSON lists of chat messages.'
+complete -c kvctl -n '__kvctl_at '\''prewarm'\''' -l concurrency -r -F -d 'Requests in flight at once.'
+complete -c kvctl -n '__kvctl_at '\''prewarm'\''' -l from-tier -x -a 'disk redis' -d 'Instead of prefilling, copy chunks already stored on this tier into the CPU tier.'
+complete -c kvctl -n '__kvctl_at '\''prewarm'\''' -l instance -r -F -d 'Internal API URL of worker 0 (in-process mode).'
+complete -c kvctl -n '__kvctl_at '\''prewarm'\''' -l vllm-url -r -F -d 'vLLM'\''s OpenAI server URL.'
+complete -c kvctl -n '__kvctl_at '\''prewarm'\''' -l state -r -F -d 'The state file of a '\''kvctl serve'\'' (default: the most recent one).'
+complete -c kvctl -n '__kvctl_at '\''prewarm'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
+complete -c kvctl -n '__kvctl_at '\''prewarm'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
+complete -c kvctl -n '__kvctl_at '\''prewarm'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
+complete -c kvctl -n '__kvctl_at '\''prewarm'\''' -s h -l help -d 'Show help and exit.'
 complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l prompt-file -r -F -d 'UTF-8 text sent as a completion prompt (- for stdin).'
 complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l chat -r -F -d 'JSON list of {role, content} messages, rendered with the model'\''s chat template (- for stdin).'
 complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l tokens-file -r -F -d 'JSON list of token ids; no tokenizer needed (- for stdin).'
@@ -133,6 +150,7 @@ complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l hash-seed -r -F -d 'PYTHONHA
 complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l vllm-url -r -F -d 'Tokenize with a running vLLM (its OpenAI server URL) instead of a local tokenizer.'
 complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l instance -r -F -d 'A running engine: the internal API URL of worker 0 (http://127.0.0.1:7000 or unix:/path_7000).'
 complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l offline -d 'Read the disk and Redis tiers directly, no server (needs --config).'
+complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l state -r -F -d 'The state file of a '\''kvctl serve'\'' (default: the most recent one); used when neither --instance nor --config is given.'
 complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
 complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
 complete -c kvctl -n '__kvctl_at '\''lookup'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'

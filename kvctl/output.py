@@ -87,6 +87,29 @@ class Output:
         update(message)
         yield update
 
+    @contextmanager
+    def progress(self, total: int, description: str) -> Iterator[Callable[[int], None]]:
+        """A progress bar on a terminal (items, tokens/s, ETA); nothing elsewhere. Yields advance(tokens)."""
+        console = self._console(err=True)
+        if self.quiet or not console.is_terminal:
+            yield lambda _tokens: None
+            return
+        import time
+
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        started, tokens = time.monotonic(), [0]
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), console=console) as bar:
+            task = bar.add_task(description, total=total, rate="")
+
+            def advance(count: int) -> None:
+                tokens[0] += count
+                rate = tokens[0] / max(time.monotonic() - started, 1e-6)
+                bar.update(task, advance=1, rate=f"{rate:,.0f} tokens/s")
+
+            yield advance
+
     def info(self, message: str) -> None:
         if not self.quiet:
             self._console(err=True).print(message, markup=False)

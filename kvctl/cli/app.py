@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from kvctl.cli import completion, config, lookup, model, serve, version
+from kvctl.cli import completion, config, lookup, model, prewarm, serve, version
 from kvctl.core.errors import EXIT_CODE_MEANINGS, ExitCode, KvctlError
 from kvctl.cli.options import OutputFormat
 from kvctl.output import Output
@@ -27,6 +27,7 @@ app = typer.Typer(
 )
 app.add_typer(config.app, name="config")
 app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(serve.serve)
+app.command("prewarm")(prewarm.prewarm)
 app.command("lookup")(lookup.lookup)
 app.command("keys")(lookup.keys)
 app.command("version")(version.version)

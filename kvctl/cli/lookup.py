@@ -103,12 +103,17 @@ def lookup(
                                                  "worker 0 (http://127.0.0.1:7000 or unix:/path_7000).")] = None,
     offline: Annotated[bool, typer.Option("--offline", help="Read the disk and Redis tiers directly, no server "
                                           "(needs --config).")] = False,
+    state: Annotated[Path | None, typer.Option("--state", help="The state file of a 'kvctl serve' (default: the "
+                                               "most recent one); used when neither --instance nor --config is "
+                                               "given.")] = None,
 ) -> None:
     """Which chunks of a prompt are cached, on which tier, how many tokens vLLM would get, and why not.
 
     Side-effect free: never pins a chunk, never changes eviction order, never reads a value.
     """
     out = ctx.obj
+    if instance is None and config is None:
+        instance, config, vllm_url = from_state(state, vllm_url)
     if instance and not offline:
         result = live_lookup(instance, prompt_file, chat, tokens_file, model, vllm_url)
     else:
@@ -123,14 +128,31 @@ def lookup(
         raise typer.Exit(ExitCode.PARTIAL if result.tiers_checked else ExitCode.UNREACHABLE)
 
 
-def offline_lookup(out, prompt_file, chat, tokens_file, model, config, kv_dtype, world_size, hash_seed, vllm_url):
-    from kvctl.clients.stores import open_store
-    from kvctl.core.lookup import lookup as run_lookup
+def from_state(state: Path | None, vllm_url: str | None) -> tuple[str | None, Path | None, str | None]:
+    """(worker URL, config dir, vLLM URL) of the instance a 'kvctl serve' recorded."""
+    from kvctl.core.launch import read_state
 
+    recorded = read_state(state)
+    endpoints = recorded["endpoints"]
+    vllm_url = vllm_url or endpoints.get("vllm")
+    if recorded["mode"] == "inprocess":
+        return endpoints["internal_api"][1], None, vllm_url
+    return None, Path(recorded["config_dir"]), vllm_url
+
+
+def offline_lookup(out, prompt_file, chat, tokens_file, model, config, kv_dtype, world_size, hash_seed, vllm_url):
     target = resolve(config, model, kv_dtype, world_size, hash_seed)
     token_ids = load_tokens(prompt_file, chat, tokens_file, target.model_dir, vllm_url, target.recipe.model_name)
     for note in target.notes:
         out.info(f"note: {note}")
+    return run_offline(token_ids, target)
+
+
+def run_offline(token_ids: list[int], target):
+    """Look tokens up in the stores of a target, reading them directly (clients closed afterwards)."""
+    from kvctl.clients.stores import open_store
+    from kvctl.core.lookup import lookup as run_lookup
+
     with ExitStack() as stack:
         def open_source(store):
             source = open_store(store)
@@ -146,6 +168,9 @@ def live_lookup(instance: str, prompt_file, chat, tokens_file, model, vllm_url):
     from kvctl.clients.internal_api import InternalAPIClient
     from kvctl.core.lookup import from_engine_answers
 
+    if "://" not in instance and not instance.startswith("unix:"):
+        raise UsageError(f"unknown instance {instance!r}",
+                         hint="pass the internal API URL of worker 0, e.g. --instance http://127.0.0.1:7000")
     with InternalAPIClient(instance) as worker:
         info = worker.info()
         model_dir = model or (info["model"] if Path(info["model"]).is_dir() else None)

@@ -28,3 +28,8 @@ class Shell(str, Enum):
     bash = "bash"
     zsh = "zsh"
     fish = "fish"
+
+
+class PrefetchTier(str, Enum):
+    disk = "disk"
+    redis = "redis"

@@ -31,7 +31,7 @@ def bash_complete(*words, path=None, env=None, cwd=None):
 
 @pytest.mark.parametrize(("words", "expected"), [
     (["kvctl", "con"], ["config"]),
-    (["kvctl", ""], ["lookup", "keys", "version", "config", "model", "completion"]),
+    (["kvctl", ""], ["serve", "prewarm", "lookup", "keys", "version", "config", "model", "completion"]),
     (["kvctl", "config", ""], ["init", "validate", "show"]),
     (["kvctl", "config", "init", "--mo"], ["--mode", "--model"]),
     (["kvctl", "config", "init", "--mode", ""], ["inprocess", "mp"]),
@@ -101,7 +101,7 @@ _kvctl
 
 
 @pytest.mark.parametrize(("words", "expected"), [
-    (["kvctl", "co"], "lookup keys version config model completion"),
+    (["kvctl", "co"], "serve prewarm lookup keys version config model completion"),
     (["kvctl", "config", "init", "--mode", ""], "inprocess mp"),
     (["kvctl", "config", "init", "--out", ""], "<files -/>"),
     (["kvctl", "config", "validate", ""], "<files >"),

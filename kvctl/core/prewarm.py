@@ -1,0 +1,125 @@
+"""Prompts to prewarm: files, directories and JSONL, and sending them to vLLM as prefill-only requests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvctl.core.errors import KvctlError, UsageError
+from kvctl.core.tokens import read_chat, read_text
+
+
+@dataclass
+class Prompt:
+    name: str
+    text: str | None = None
+    messages: list[dict[str, Any]] | None = None
+
+
+@dataclass
+class Outcome:
+    prompt: Prompt
+    prompt_tokens: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+    token_ids: list[int] = field(default_factory=list)
+
+
+def load_prompts(paths: list[str], chat: bool) -> list[Prompt]:
+    """Prompts from files (text, or JSON messages with --chat), directories (their files, sorted) and JSONL
+    (`{"prompt": …}` or `{"messages": […]}` per line)."""
+    prompts: list[Prompt] = []
+    for given in paths:
+        path = Path(given)
+        if path.is_dir():
+            files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+            if not files:
+                raise KvctlError(f"{path} holds no files", hint="give prompt files, a directory of them, or a JSONL file")
+            for file in files:
+                prompts += _from_path(file, chat)
+        else:
+            prompts += _from_path(path, chat)
+    if not prompts:
+        raise UsageError("no prompts given", hint="kvctl prewarm PROMPT_FILE… (files, directories or JSONL)")
+    return prompts
+
+
+def _from_path(path: Path, chat: bool) -> list[Prompt]:
+    if path.suffix == ".jsonl":
+        return _from_jsonl(path)
+    if chat:
+        return [Prompt(str(path), messages=read_chat(str(path)))]
+    return [Prompt(str(path), text=read_text(str(path)))]
+
+
+def _from_jsonl(path: Path) -> list[Prompt]:
+    prompts = []
+    for number, line in enumerate(read_text(str(path)).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            raise KvctlError(f"{path}:{number} is not valid JSON", hint='each line is {"prompt": …} or {"messages": […]}') from None
+        name = f"{path}:{number}"
+        if isinstance(entry, dict) and isinstance(entry.get("prompt"), str):
+            prompts.append(Prompt(name, text=entry["prompt"]))
+        elif isinstance(entry, dict) and isinstance(entry.get("messages"), list):
+            prompts.append(Prompt(name, messages=entry["messages"]))
+        else:
+            raise KvctlError(f"{path}:{number} has neither a prompt nor messages",
+                             hint='each line is {"prompt": …} or {"messages": […]}')
+    return prompts
+
+
+async def _send(client, url: str, model: str, prompt: Prompt) -> Outcome:
+    outcome = Outcome(prompt)
+    body: dict[str, Any] = {"model": model, "max_tokens": 1, "temperature": 0}
+    if prompt.messages is not None:
+        body["messages"], path = prompt.messages, "/v1/chat/completions"
+    else:
+        body["prompt"], path = prompt.text, "/v1/completions"
+    start = time.perf_counter()
+    try:
+        response = await client.post(f"{url}{path}", json=body)
+        if response.status_code != 200:
+            message = response.text[:200]
+            try:
+                message = response.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                pass
+            outcome.error = f"HTTP {response.status_code}: {message}"
+        else:
+            outcome.prompt_tokens = response.json()["usage"]["prompt_tokens"]
+    except Exception as error:  # noqa: BLE001 - every failure is reported per prompt
+        outcome.error = f"{type(error).__name__}: {error}"
+    outcome.seconds = time.perf_counter() - start
+    return outcome
+
+
+async def _prefill_all(url: str, model: str, prompts: list[Prompt], concurrency: int,
+                       on_done: Callable[[Outcome], None]) -> list[Outcome]:
+    import httpx
+
+    limit = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=600) as client:
+        async def one(prompt: Prompt) -> Outcome:
+            async with limit:
+                outcome = await _send(client, url, model, prompt)
+            on_done(outcome)
+            return outcome
+
+        return list(await asyncio.gather(*(one(prompt) for prompt in prompts)))
+
+
+def prefill(url: str, model: str, prompts: list[Prompt], concurrency: int,
+            on_done: Callable[[Outcome], None] = lambda outcome: None) -> list[Outcome]:
+    """Send every prompt as a prefill-only request (max_tokens 1), at most `concurrency` at a time."""
+    if concurrency < 1:
+        raise UsageError("--concurrency must be at least 1", hint="e.g. --concurrency 4")
+    return asyncio.run(_prefill_all(url, model, prompts, concurrency, on_done))
