@@ -74,10 +74,8 @@ def prewarm(
 def _prefill(out, vllm_url, model, items, concurrency):
     from kvctl.core.prewarm import prefill
 
-    start = time.perf_counter()
     with out.progress(len(items), "prefilling") as advance:
-        outcomes = prefill(vllm_url, model, items, concurrency, lambda outcome: advance(outcome.prompt_tokens))
-    return outcomes, time.perf_counter() - start
+        return prefill(vllm_url, model, items, concurrency, lambda outcome: advance(outcome.prompt_tokens))
 
 
 def _prefetch(out, vllm, model, items, instance, config):

@@ -154,13 +154,12 @@ def build_plan(*, name: str = "default", model: str | None, mode: str = "inproce
 def preflight(plan: LaunchPlan, host: str, ports: list[int]) -> None:
     """Refuse clearly before starting anything."""
     check_installed(plan.mode)
-    if not Path(plan.model).exists() and plan.model == str(models_dir() / "tiny"):
-        return  # built right before launch
-    check_model_dir(plan.model)
     for port in ports:
         if not port_free(port, host if host != "0.0.0.0" else LOOPBACK):
             raise UsageError(f"port {port} is already in use", hint="stop what listens there, or choose other ports "
                              "(--port, --internal-api-port-start, --mp-port, --mp-http-port)")
+    if plan.model != str(models_dir() / "tiny"):  # the embedded default is built right before launch
+        check_model_dir(plan.model)
 
 
 def write_state(plan: LaunchPlan, pids: dict[str, int], extra: dict[str, Any]) -> Path:

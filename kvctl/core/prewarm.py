@@ -103,7 +103,7 @@ async def _send(client, url: str, model: str, prompt: Prompt) -> Outcome:
 
 
 async def _prefill_all(url: str, model: str, prompts: list[Prompt], concurrency: int,
-                       on_done: Callable[[Outcome], None]) -> list[Outcome]:
+                       on_done: Callable[[Outcome], None]) -> tuple[list[Outcome], float]:
     import httpx
 
     limit = asyncio.Semaphore(concurrency)
@@ -114,12 +114,15 @@ async def _prefill_all(url: str, model: str, prompts: list[Prompt], concurrency:
             on_done(outcome)
             return outcome
 
-        return list(await asyncio.gather(*(one(prompt) for prompt in prompts)))
+        start = time.perf_counter()
+        outcomes = list(await asyncio.gather(*(one(prompt) for prompt in prompts)))
+        return outcomes, time.perf_counter() - start
 
 
 def prefill(url: str, model: str, prompts: list[Prompt], concurrency: int,
-            on_done: Callable[[Outcome], None] = lambda outcome: None) -> list[Outcome]:
-    """Send every prompt as a prefill-only request (max_tokens 1), at most `concurrency` at a time."""
+            on_done: Callable[[Outcome], None] = lambda outcome: None) -> tuple[list[Outcome], float]:
+    """Send every prompt as a prefill-only request (max_tokens 1), at most `concurrency` at a time;
+    returns the outcomes and the seconds the requests took."""
     if concurrency < 1:
         raise UsageError("--concurrency must be at least 1", hint="e.g. --concurrency 4")
     return asyncio.run(_prefill_all(url, model, prompts, concurrency, on_done))

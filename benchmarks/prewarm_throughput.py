@@ -1,0 +1,85 @@
+"""`kvctl prewarm` throughput against a plain asyncio client sending the same kind of requests.
+
+One `kvctl serve` (tiny model, in-process LMCache); sets of 32 distinct ~800-token prompts (a new
+set for every run, so no run finds another's KV), each sent as prefill-only completions with 4 in
+flight, alternately by `kvctl prewarm` (its prefill phase, as it reports it) and by a bare
+httpx.AsyncClient loop, two runs each. The last line is the ratio of the median prompt tokens per
+second (goal >= 0.95).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.helpers import free_port, wait_until  # noqa: E402
+
+KVCTL = str(Path(sys.executable).parent / "kvctl")
+PROMPTS, CONCURRENCY, ROUNDS = 32, 4, 2
+
+
+def prompts(seed: int) -> list[str]:
+    words = Path(os.__file__).read_text().split()
+    rng = random.Random(seed)
+    return [" ".join(rng.choices(words, k=350)) for _ in range(PROMPTS)]
+
+
+async def plain_client(url: str, model: str, texts: list[str]) -> tuple[int, float]:
+    import httpx
+
+    limit = asyncio.Semaphore(CONCURRENCY)
+    async with httpx.AsyncClient(timeout=600) as client:
+        async def one(text: str) -> int:
+            async with limit:
+                body = {"model": model, "prompt": text, "max_tokens": 1, "temperature": 0}
+                response = await client.post(f"{url}/v1/completions", json=body)
+                return response.json()["usage"]["prompt_tokens"]
+
+        start = time.perf_counter()
+        tokens = sum(await asyncio.gather(*(one(text) for text in texts)))
+        return tokens, time.perf_counter() - start
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as folder:
+        env = {**os.environ, "KVCTL_CACHE_DIR": folder}
+        serve = subprocess.Popen([KVCTL, "serve", "--port", str(free_port()), "--internal-api-port-start",
+                                  str(free_port())], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        state_file = Path(folder) / "serve" / "state.json"
+        try:
+            wait_until(lambda: state_file.exists(), 600, "kvctl serve", serve)
+            state = json.loads(state_file.read_text())
+            url, model = state["endpoints"]["vllm"], state["model"]
+            asyncio.run(plain_client(url, model, ["warm up " * 100]))
+            kvctl_rates, plain_rates = [], []
+            for round_ in range(ROUNDS):
+                jsonl = Path(folder) / f"prompts-{round_}.jsonl"
+                jsonl.write_text("".join(json.dumps({"prompt": text}) + "\n" for text in prompts(10 + round_)))
+                done = subprocess.run([KVCTL, "prewarm", str(jsonl), "--concurrency", str(CONCURRENCY), "--format",
+                                       "json"], env=env, capture_output=True, text=True, check=True)
+                kvctl_rates.append(json.loads(done.stdout)["tokens_per_s"])
+                tokens, seconds = asyncio.run(plain_client(url, model, prompts(20 + round_)))
+                plain_rates.append(tokens / seconds)
+        finally:
+            serve.send_signal(signal.SIGTERM)
+            serve.wait(120)
+    kvctl_rate, plain_rate = statistics.median(kvctl_rates), statistics.median(plain_rates)
+    print(f"kvctl prewarm: {[round(rate) for rate in kvctl_rates]} tokens/s")
+    print(f"plain asyncio client: {[round(rate) for rate in plain_rates]} tokens/s")
+    print(f"prewarm_vs_plain_client={kvctl_rate / plain_rate:.3f} (goal >= 0.95)")
+
+
+if __name__ == "__main__":
+    main()
