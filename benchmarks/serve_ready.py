@@ -3,7 +3,8 @@
 Both start the plan `kvctl serve --dry-run` prints (vLLM CPU, the tiny model, LMCache in-process
 with CPU + disk tiers). By hand: the command and its environment, ready when /health answers.
 kvctl: `kvctl serve`, ready when it has written its state file (vLLM healthy, LMCache's worker API
-answering, endpoints recorded). Alternating runs, two each; the last line is the ratio of medians
+answering, endpoints recorded). After one unmeasured warm-up `kvctl serve` (which also writes the
+configuration both use), alternating runs, two each; the last line is the ratio of medians
 (goal <= 1.05).
 """
 
@@ -63,6 +64,7 @@ def main() -> None:
                                          capture_output=True, text=True).stdout)
         state = Path(plan["state_file"])
         hand, kvctl = [], []
+        with_kvctl(env, args, state)  # unmeasured warm-up; it also writes the configuration both launches use
         for round_ in range(ROUNDS):
             hand.append(by_hand(plan, Path(folder) / f"hand-{round_}.log"))
             kvctl.append(with_kvctl(env, args, state))

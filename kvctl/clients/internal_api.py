@@ -10,31 +10,16 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kvctl.clients.http import HTTPClient
 from kvctl.core.errors import RejectedError, ServerError, UnreachableError
 
 TIMEOUT_S = 10.0
 KVCTL_ROUTES = "/kvctl/v1"
 
 
-class InternalAPIClient:
+class InternalAPIClient(HTTPClient):
     def __init__(self, url: str, timeout: float = TIMEOUT_S) -> None:
-        import httpx
-
-        self.url = url
-        if url.startswith("unix:"):
-            transport = httpx.HTTPTransport(uds=url[len("unix:"):])
-            self._client = httpx.Client(transport=transport, base_url="http://lmcache", timeout=timeout)
-        else:
-            self._client = httpx.Client(base_url=url.rstrip("/"), timeout=timeout)
-
-    def close(self) -> None:
-        self._client.close()
-
-    def __enter__(self) -> InternalAPIClient:
-        return self
-
-    def __exit__(self, *_exc) -> None:
-        self.close()
+        super().__init__(url, timeout)
 
     def request(self, method: str, path: str, body: Any = None, params: dict | None = None) -> Any:
         import httpx

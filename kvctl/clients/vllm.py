@@ -4,26 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvctl.clients.http import HTTPClient
 from kvctl.core.errors import RejectedError, ServerError, UnreachableError
 
 TIMEOUT_S = 30.0
 
 
-class VLLMClient:
+class VLLMClient(HTTPClient):
     def __init__(self, url: str, timeout: float = TIMEOUT_S) -> None:
-        import httpx
-
-        self.url = url.rstrip("/")
-        self._client = httpx.Client(base_url=self.url, timeout=timeout)
-
-    def close(self) -> None:
-        self._client.close()
-
-    def __enter__(self) -> VLLMClient:
-        return self
-
-    def __exit__(self, *_exc) -> None:
-        self.close()
+        super().__init__(url, timeout)
 
     def _call(self, method: str, path: str, body: Any = None) -> Any:
         import httpx
