@@ -99,8 +99,9 @@ def lookup(
     prompt_file: PromptFile = None, chat: ChatFile = None, tokens_file: TokensFile = None,
     model: ModelOption = None, config: ConfigOption = None, kv_dtype: KvDtype = None,
     world_size: WorldSize = 1, hash_seed: HashSeed = None, vllm_url: VllmOption = None,
-    instance: Annotated[str | None, typer.Option("--instance", help="A running engine: the internal API URL of "
-                                                 "worker 0 (http://127.0.0.1:7000 or unix:/path_7000).")] = None,
+    instance: Annotated[str | None, typer.Option("--instance", help="A running engine: a 'kvctl serve --name' "
+                                                 "name, or the internal API URL of worker 0 "
+                                                 "(http://127.0.0.1:7000, unix:/path_7000).")] = None,
     offline: Annotated[bool, typer.Option("--offline", help="Read the disk and Redis tiers directly, no server "
                                           "(needs --config).")] = False,
     state: Annotated[Path | None, typer.Option("--state", help="The state file of a 'kvctl serve' (default: the "
@@ -112,8 +113,8 @@ def lookup(
     Side-effect free: never pins a chunk, never changes eviction order, never reads a value.
     """
     out = ctx.obj
-    if instance is None and config is None:
-        instance, config, vllm_url = from_state(state, vllm_url)
+    if config is None:
+        instance, config, vllm_url = instance_target(instance, state, vllm_url)
     if instance and not offline:
         result = live_lookup(instance, prompt_file, chat, tokens_file, model, vllm_url)
     else:
@@ -128,11 +129,14 @@ def lookup(
         raise typer.Exit(ExitCode.PARTIAL if result.tiers_checked else ExitCode.UNREACHABLE)
 
 
-def from_state(state: Path | None, vllm_url: str | None) -> tuple[str | None, Path | None, str | None]:
-    """(worker URL, config dir, vLLM URL) of the instance a 'kvctl serve' recorded."""
-    from kvctl.core.launch import read_state
+def instance_target(instance: str | None, state: Path | None,
+                    vllm_url: str | None) -> tuple[str | None, Path | None, str | None]:
+    """(worker URL, config dir, vLLM URL) for --instance URL, --instance NAME, or a kvctl serve state file."""
+    from kvctl.core.launch import is_url, read_state
 
-    recorded = read_state(state)
+    if instance and is_url(instance):
+        return instance, None, vllm_url
+    recorded = read_state(state, instance)
     endpoints = recorded["endpoints"]
     vllm_url = vllm_url or endpoints.get("vllm")
     if recorded["mode"] == "inprocess":
@@ -168,9 +172,6 @@ def live_lookup(instance: str, prompt_file, chat, tokens_file, model, vllm_url):
     from kvctl.clients.internal_api import InternalAPIClient
     from kvctl.core.lookup import from_engine_answers
 
-    if "://" not in instance and not instance.startswith("unix:"):
-        raise UsageError(f"unknown instance {instance!r}",
-                         hint="pass the internal API URL of worker 0, e.g. --instance http://127.0.0.1:7000")
     with InternalAPIClient(instance) as worker:
         info = worker.info()
         model_dir = model or (info["model"] if Path(info["model"]).is_dir() else None)

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from kvctl.cli.lookup import from_state, run_offline
+from kvctl.cli.lookup import instance_target, run_offline
 from kvctl.cli.options import PrefetchTier
 from kvctl.core.errors import ExitCode, KvctlError, UsageError
 from kvctl.output import Table
@@ -22,8 +22,8 @@ def prewarm(
     concurrency: Annotated[int, typer.Option(help="Requests in flight at once.")] = 4,
     from_tier: Annotated[PrefetchTier | None, typer.Option("--from-tier", help="Instead of prefilling, copy chunks "
                                                            "already stored on this tier into the CPU tier.")] = None,
-    instance: Annotated[str | None, typer.Option("--instance", help="Internal API URL of worker 0 (in-process "
-                                                 "mode).")] = None,
+    instance: Annotated[str | None, typer.Option("--instance", help="A 'kvctl serve --name' name, or the internal "
+                                                 "API URL of worker 0 (in-process mode).")] = None,
     vllm_url: Annotated[str | None, typer.Option("--vllm-url", help="vLLM's OpenAI server URL.")] = None,
     state: Annotated[Path | None, typer.Option("--state", help="The state file of a 'kvctl serve' (default: the "
                                                "most recent one).")] = None,
@@ -33,10 +33,7 @@ def prewarm(
     from kvctl.core.prewarm import load_prompts
 
     items = load_prompts(prompts, chat)
-    config = None
-    if instance is None or vllm_url is None:
-        state_instance, config, state_vllm = from_state(state, vllm_url)
-        instance, vllm_url = instance or state_instance, vllm_url or state_vllm
+    instance, config, vllm_url = instance_target(instance, state, vllm_url)
     if not vllm_url:
         raise UsageError("which vLLM?", hint="pass --vllm-url, or start one with kvctl serve")
     out = ctx.obj

@@ -59,12 +59,11 @@ def serve(
 
 
 def _run(out, plan) -> None:
-    from kvctl.core.launch import write_state
+    from kvctl.core.launch import remove_state, write_state
     from kvctl.core.supervisor import Supervisor
 
     supervisor = Supervisor(plan)
     previous = {signum: signal.signal(signum, supervisor.request_stop) for signum in (signal.SIGINT, signal.SIGTERM)}
-    state_path = Path(plan.state_file)
     try:
         with out.status("preparing") as update:
             supervisor.on_progress = update
@@ -72,10 +71,10 @@ def _run(out, plan) -> None:
             pids = supervisor.start()
         if supervisor.stop_requested is None:
             extra = _offload_endpoint(plan)
-            write_state(plan, pids, extra)
+            state_paths = write_state(plan, pids, extra)
             endpoints = {**plan.endpoints, **extra}
             out.emit({"name": plan.name, "mode": plan.mode, "model": plan.model, "endpoints": endpoints,
-                      "logs": {c.name: c.log for c in plan.components}, "state_file": str(state_path)},
+                      "logs": {c.name: c.log for c in plan.components}, "state_file": str(state_paths[0])},
                      [Table(["endpoint", "address"], [(k, ", ".join(v) if isinstance(v, list) else v)
                                                      for k, v in endpoints.items()],
                             title=f"kvctl serve {plan.name} ({plan.mode}) is ready",
@@ -87,8 +86,7 @@ def _run(out, plan) -> None:
             supervisor.stop()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-        if state_path.exists():
-            state_path.unlink()
+        remove_state(plan)
     if supervisor.stop_requested == signal.SIGINT:
         raise typer.Exit(ExitCode.INTERRUPTED)
     out.success(f"stopped {plan.name}")

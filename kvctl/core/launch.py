@@ -25,6 +25,7 @@ from kvctl.core.config_init import (
 from kvctl.core.errors import KvctlError, UsageError
 from kvctl.core.lmcache_config import CONFIG_FILE, ENV_FILE, KV_TRANSFER_FILE, MP_CONNECTOR, parse_env_file, read_text
 from kvctl.core.paths import cache_dir, models_dir
+from kvctl.core.platform import vllm_block_size
 from kvctl.core.tiers import TierSpec
 
 DEFAULT_PORT = 8000
@@ -70,6 +71,15 @@ def serve_dir(name: str) -> Path:
 def default_state_file() -> Path:
     """Where the most recent `kvctl serve` records itself; every other command reads it by default."""
     return cache_dir() / "serve" / "state.json"
+
+
+def named_state_file(name: str) -> Path:
+    """Where `kvctl serve --name NAME` records itself, for `--instance NAME`."""
+    return serve_dir(name) / "state.json"
+
+
+def is_url(instance: str) -> bool:
+    return "://" in instance or instance.startswith("unix:")
 
 
 def port_free(port: int, host: str = LOOPBACK) -> bool:
@@ -123,6 +133,10 @@ def build_plan(*, name: str = "default", model: str | None, mode: str = "inproce
         kv_transfer = json.loads(read_text(config / KV_TRANSFER_FILE))
         env_file = parse_env_file(read_text(config / ENV_FILE)) if (config / ENV_FILE).exists() else {}
         mode = "mp" if kv_transfer.get("kv_connector") == MP_CONNECTOR else "inprocess"
+        chunk, block = int(lmcache_values.get("chunk_size", 256)), vllm_block_size()
+        if chunk % block:
+            raise UsageError(f"{config / CONFIG_FILE} has chunk_size {chunk}, not a multiple of vLLM's block size "
+                             f"{block} on this platform", hint=f"run 'kvctl config validate {config}' and fix it")
     logs = base / "logs"
     env = {**QUIET_ENV, "PYTHONHASHSEED": env_file.get("PYTHONHASHSEED", "0")}
     components = []
@@ -162,23 +176,43 @@ def preflight(plan: LaunchPlan, host: str, ports: list[int]) -> None:
         check_model_dir(plan.model)
 
 
-def write_state(plan: LaunchPlan, pids: dict[str, int], extra: dict[str, Any]) -> Path:
-    path = Path(plan.state_file)
-    path.parent.mkdir(parents=True, exist_ok=True)
+def state_files(plan: LaunchPlan) -> list[Path]:
+    """The state file asked for (or the most recent one) and the instance's own, by name."""
+    return list(dict.fromkeys([Path(plan.state_file), named_state_file(plan.name)]))
+
+
+def write_state(plan: LaunchPlan, pids: dict[str, int], extra: dict[str, Any]) -> list[Path]:
     state = {"name": plan.name, "mode": plan.mode, "model": plan.model, "config_dir": plan.config_dir,
              "kvctl_pid": os.getpid(), "endpoints": {**plan.endpoints, **extra},
              "processes": [{"name": c.name, "pid": pids.get(c.name), "log": c.log} for c in plan.components]}
-    temp = path.with_suffix(".tmp")
-    temp.write_text(json.dumps(state, indent=2) + "\n")
-    os.replace(temp, path)
-    return path
+    paths = state_files(plan)
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temp = path.with_suffix(".tmp")
+        temp.write_text(json.dumps(state, indent=2) + "\n")
+        os.replace(temp, path)
+    return paths
 
 
-def read_state(path: Path | None = None) -> dict[str, Any]:
-    path = path or default_state_file()
+def remove_state(plan: LaunchPlan) -> None:
+    """Forget this instance, leaving state files that a newer `kvctl serve` has taken over."""
+    for path in state_files(plan):
+        try:
+            if json.loads(path.read_text()).get("kvctl_pid") == os.getpid():
+                path.unlink()
+        except (OSError, ValueError):
+            continue
+
+
+def read_state(path: Path | None = None, instance: str | None = None) -> dict[str, Any]:
+    """The state of a `kvctl serve`: by instance name, by state file, or the most recent one."""
+    path = named_state_file(instance) if instance else (path or default_state_file())
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
+        if instance:
+            raise KvctlError(f"no running instance named {instance!r}",
+                             hint=f"start it with 'kvctl serve --name {instance}', or pass --instance URL") from None
         raise KvctlError(f"no kvctl serve state at {path}", hint="start one with 'kvctl serve', or pass --instance URL") from None
     except ValueError:
         raise KvctlError(f"{path} is not a kvctl state file", hint="pass --state with the file kvctl serve wrote") from None

@@ -68,3 +68,11 @@ def test_model_directory_without_a_model_is_refused(tmp_path):
     (tmp_path / "empty").mkdir()
     result = run_cli("serve", str(tmp_path / "empty"), "--port", "17600", "--internal-api-port-start", "17700")
     assert result.code == 2 and "has no config.json" in result.stderr
+
+
+def test_configuration_with_a_bad_chunk_size_is_refused(tmp_path):
+    assert run_cli("config", "init", "--out", tmp_path / "cfg", "--tier", "cpu:1", "--chunk-size", "256").code == 0
+    text = (tmp_path / "cfg" / "lmcache.yaml").read_text().replace("chunk_size: 256", "chunk_size: 100")
+    (tmp_path / "cfg" / "lmcache.yaml").write_text(text)
+    result = run_cli("serve", "--config", tmp_path / "cfg", "--dry-run")
+    assert result.code == 2 and "chunk_size 100, not a multiple of vLLM's block size" in result.stderr

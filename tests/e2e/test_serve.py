@@ -54,7 +54,7 @@ class Serve:
 
     def assert_nothing_left(self, timeout=60):
         wait_until(lambda: not any(group_alive(pid) for pid in self.pids), timeout, "children gone")
-        assert not self.state_file.exists()
+        assert not self.state_file.exists() and not (self.state_file.parent / "default" / "state.json").exists()
 
 
 def prompt_file(tmp_path, module="csv"):
@@ -76,7 +76,8 @@ def test_serve_prewarm_lookup_restart_stop_inprocess(tmp_path):
         entry = json.loads(warmed.stdout)["prompts"][0]
         assert entry["error"] is None and entry["cached_chunks"] == entry["chunks"] == entry["prompt_tokens"] // 256
         assert entry["tiers"] == ["cpu", "disk"]
-        found = json.loads(serve.kvctl("lookup", "--prompt-file", prompt, "--format", "json").stdout)
+        found = json.loads(serve.kvctl("lookup", "--instance", "default", "--prompt-file", prompt, "--format",
+                                       "json").stdout)
         assert found["hit_tokens"]["total"] == entry["chunks"] * 256 and found["tiers_checked"] == ["cpu", "disk"]
         assert serve.stop() == 0
     finally:
@@ -128,3 +129,16 @@ def test_serve_mp_prewarm_lookup(tmp_path):
         if serve.proc.poll() is None:
             serve.stop()
     serve.assert_nothing_left()
+
+    again = Serve(cache, "--mode", "mp")  # a new server and vLLM: the prompt comes back from the fs L2 tier
+    try:
+        body = {"model": again.state["model"], "prompt": prompt.read_text(), "max_tokens": 1}
+        assert httpx.post(f"{again.state['endpoints']['vllm']}/v1/completions", json=body, timeout=120).status_code == 200
+        server_log = again.state["processes"][0]["log"]
+        wait_until(lambda: re.search(r"Retrieved [1-9]\d* tokens", open(server_log).read()
+                                     + open(again.state["processes"][1]["log"]).read()), 30, "a retrieve from LMCache")
+        assert again.stop() == 0
+    finally:
+        if again.proc.poll() is None:
+            again.stop()
+    again.assert_nothing_left()
