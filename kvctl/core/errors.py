@@ -67,9 +67,3 @@ class ServerError(KvctlError):
     """A server answered with a server error (5xx)."""
 
     exit_code = ExitCode.SERVER_ERROR
-
-
-class PartialError(KvctlError):
-    """Some parts succeeded and some failed; the partial result has already been shown."""
-
-    exit_code = ExitCode.PARTIAL

@@ -166,11 +166,6 @@ def disk_file_name(key: str) -> str:
     return key.replace("/", "-") + ".pt"
 
 
-def redis_key_names(key: str) -> tuple[str, str]:
-    """The two Redis keys RedisConnector writes per chunk (suffixes appended with no separator)."""
-    return key + "kv_bytes", key + "metadata"
-
-
 @dataclass(frozen=True)
 class ParsedKey:
     model_name: str

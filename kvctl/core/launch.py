@@ -102,7 +102,7 @@ def check_model_dir(model: str) -> None:
         raise UsageError(f"{model} has no tokenizer", hint="give a model directory that includes its tokenizer")
 
 
-def check_installed(mode: str) -> None:
+def check_installed() -> None:
     missing = [name for name in ("vllm", "lmcache") if find_spec(name) is None]
     if missing:
         raise KvctlError(f"{' and '.join(missing)} not installed in this environment",
@@ -167,7 +167,7 @@ def build_plan(*, name: str = "default", model: str | None, mode: str = "inproce
 
 def preflight(plan: LaunchPlan, host: str, ports: list[int]) -> None:
     """Refuse clearly before starting anything."""
-    check_installed(plan.mode)
+    check_installed()
     for port in ports:
         if not port_free(port, host if host != "0.0.0.0" else LOOPBACK):
             raise UsageError(f"port {port} is already in use", hint="stop what listens there, or choose other ports "

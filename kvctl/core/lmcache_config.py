@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -133,7 +133,6 @@ class ConfigFiles:
     yaml_path: Path | None = None
     kv_transfer_path: Path | None = None
     env_path: Path | None = None
-    extra: list[Path] = field(default_factory=list)
 
 
 def locate(target: str | os.PathLike) -> ConfigFiles:

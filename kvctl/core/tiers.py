@@ -6,15 +6,12 @@ Tiers are named the way users say them: cpu, disk, redis. LMCache's own names
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from urllib.parse import unquote
 
 from kvctl.core.errors import UsageError
 
-TIER_NAMES = ("cpu", "disk", "redis")
-TIER_CHOICES = (*TIER_NAMES, "all")
 REDIS_SCHEMES = ("redis", "rediss", "redis-sentinel", "redis-cluster")
-LMCACHE_BACKENDS = {"cpu": "LocalCPUBackend", "disk": "LocalDiskBackend", "redis": "RemoteBackend"}
 DEFAULT_REDIS_PORT = 6379
 DEFAULT_SENTINEL_PORT = 26379
 
@@ -111,7 +108,7 @@ class TierSpec:
     name: str
     size_gb: float | None = None
     path: str | None = None
-    redis: RedisURL | None = field(default=None)
+    redis: RedisURL | None = None
 
 
 def parse_tier(text: str) -> TierSpec:
