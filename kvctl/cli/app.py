@@ -17,7 +17,7 @@ EPILOG = "Exit codes: " + ", ".join(f"{int(code)} {meaning}" for code, meaning i
 
 app = typer.Typer(
     name="kvctl",
-    help="Operate the KV cache of vLLM + LMCache: config, serve, lookup, pin, prewarm, evict.",
+    help="Operate the KV cache of vLLM + LMCache: configure, serve, prewarm, and see which chunks are cached where.",
     epilog=EPILOG,
     no_args_is_help=True,
     add_completion=False,
