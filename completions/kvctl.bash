@@ -11,6 +11,10 @@ _kvctl_complete() {
             "|prewarm") kv_path="prewarm"; continue ;;
             "|lookup") kv_path="lookup"; continue ;;
             "|keys") kv_path="keys"; continue ;;
+            "|pin") kv_path="pin"; continue ;;
+            "|unpin") kv_path="unpin"; continue ;;
+            "|pins") kv_path="pins"; continue ;;
+            "|evict") kv_path="evict"; continue ;;
             "|version") kv_path="version"; continue ;;
             "|config") kv_path="config"; continue ;;
             "|model") kv_path="model"; continue ;;
@@ -29,6 +33,10 @@ _kvctl_complete() {
             "prewarm") valued=" --concurrency --from-tier --instance --vllm-url --state --format " ;;
             "lookup") valued=" --prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --instance --state --format " ;;
             "keys") valued=" --prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --format " ;;
+            "pin") valued=" --prompt-file --chat --tokens-file --model --vllm-url --ttl --tier --instance --state --format " ;;
+            "unpin") valued=" --pin-id --prompt-file --chat --tokens-file --model --vllm-url --instance --state --format " ;;
+            "pins") valued=" --instance --state --format " ;;
+            "evict") valued=" --prompt-file --chat --tokens-file --key --tier --model --vllm-url --instance --state --format " ;;
             "version") valued=" --format " ;;
             "config") valued=" --format " ;;
             "config init") valued=" --out -o --mode --tier --chunk-size --hash-algorithm --internal-api-port-start --mp-port --mp-http-port --model --instance-id --format " ;;
@@ -84,6 +92,38 @@ _kvctl_complete() {
             "keys|--hash-seed") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "keys|--vllm-url") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "keys|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
+            "pin|--prompt-file") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "pin|--chat") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "pin|--tokens-file") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "pin|--model") COMPREPLY=($(kvctl complete-values models "$cur" 2>/dev/null)); return ;;
+            "pin|--vllm-url") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "pin|--ttl") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "pin|--tier") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "pin|--instance") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "pin|--state") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "pin|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
+            "unpin|--pin-id") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "unpin|--prompt-file") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "unpin|--chat") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "unpin|--tokens-file") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "unpin|--model") COMPREPLY=($(kvctl complete-values models "$cur" 2>/dev/null)); return ;;
+            "unpin|--vllm-url") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "unpin|--instance") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "unpin|--state") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "unpin|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
+            "pins|--instance") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "pins|--state") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "pins|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
+            "evict|--prompt-file") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "evict|--chat") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "evict|--tokens-file") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "evict|--key") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "evict|--tier") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "evict|--model") COMPREPLY=($(kvctl complete-values models "$cur" 2>/dev/null)); return ;;
+            "evict|--vllm-url") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "evict|--instance") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "evict|--state") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "evict|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
             "version|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
             "config|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
             "config init|--out") COMPREPLY=($(compgen -d -- "$cur")); return ;;
@@ -118,6 +158,10 @@ _kvctl_complete() {
             "prewarm") words="--chat --concurrency --from-tier --instance --vllm-url --state --format --debug -q --quiet -h --help" ;;
             "lookup") words="--prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --instance --offline --state --format --debug -q --quiet -h --help" ;;
             "keys") words="--prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --format --debug -q --quiet -h --help" ;;
+            "pin") words="--prompt-file --chat --tokens-file --model --vllm-url --ttl --tier --instance --state --format --debug -q --quiet -h --help" ;;
+            "unpin") words="--pin-id --prompt-file --chat --tokens-file --model --vllm-url --all --instance --state --format --debug -q --quiet -h --help" ;;
+            "pins") words="--instance --state --format --debug -q --quiet -h --help" ;;
+            "evict") words="--prompt-file --chat --tokens-file --key --tier --all --dry-run --yes -y --force --model --vllm-url --instance --state --format --debug -q --quiet -h --help" ;;
             "version") words="--format --debug -q --quiet -h --help" ;;
             "config") words="--format --debug -q --quiet -h --help" ;;
             "config init") words="--out -o --mode --tier --chunk-size --hash-algorithm --internal-api-port-start --mp-port --mp-http-port --model --instance-id --plugins --no-plugins --force --no-force --format --debug -q --quiet -h --help" ;;
@@ -131,7 +175,7 @@ _kvctl_complete() {
         esac
     else
         case "$kv_path" in
-            "") words="serve prewarm lookup keys version config model completion" ;;
+            "") words="serve prewarm lookup keys pin unpin pins evict version config model completion" ;;
             "serve") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "prewarm") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "config") words="init validate show" ;;

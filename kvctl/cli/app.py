@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from kvctl.cli import completion, config, lookup, model, prewarm, serve, version
+from kvctl.cli import cache, completion, config, lookup, model, prewarm, serve, version
 from kvctl.core.errors import EXIT_CODE_MEANINGS, ExitCode, KvctlError
 from kvctl.cli.options import OutputFormat
 from kvctl.output import Output
@@ -30,6 +30,10 @@ app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown
 app.command("prewarm")(prewarm.prewarm)
 app.command("lookup")(lookup.lookup)
 app.command("keys")(lookup.keys)
+app.command("pin")(cache.pin)
+app.command("unpin")(cache.unpin)
+app.command("pins")(cache.pins)
+app.command("evict")(cache.evict)
 app.command("version")(version.version)
 app.add_typer(model.app, name="model")
 app.add_typer(completion.app, name="completion")

@@ -31,7 +31,8 @@ def bash_complete(*words, path=None, env=None, cwd=None):
 
 @pytest.mark.parametrize(("words", "expected"), [
     (["kvctl", "con"], ["config"]),
-    (["kvctl", ""], ["serve", "prewarm", "lookup", "keys", "version", "config", "model", "completion"]),
+    (["kvctl", ""], ["serve", "prewarm", "lookup", "keys", "pin", "unpin", "pins", "evict", "version", "config", "model",
+                     "completion"]),
     (["kvctl", "config", ""], ["init", "validate", "show"]),
     (["kvctl", "config", "init", "--mo"], ["--mode", "--model"]),
     (["kvctl", "config", "init", "--mode", ""], ["inprocess", "mp"]),
@@ -94,14 +95,14 @@ _describe() { local -a arr; arr=("${(@P)${@[-1]}}"); print -r -- "${(j: :)${arr[
 compadd() { shift $(( ${@[(i)--]} )); print -r -- "$*"; }
 _files() { print -r -- "<files $*>"; }
 compdef() { :; }
-source %s
-words=(%s); CURRENT=${#words}; PREFIX=${words[-1]}
+source SCRIPT
+words=(WORDS); CURRENT=${#words}; PREFIX=${words[-1]}
 _kvctl
 """
 
 
 @pytest.mark.parametrize(("words", "expected"), [
-    (["kvctl", "co"], "serve prewarm lookup keys version config model completion"),
+    (["kvctl", "co"], "serve prewarm lookup keys pin unpin pins evict version config model completion"),
     (["kvctl", "config", "init", "--mode", ""], "inprocess mp"),
     (["kvctl", "config", "init", "--out", ""], "<files -/>"),
     (["kvctl", "config", "validate", ""], "<files >"),
@@ -109,7 +110,7 @@ _kvctl
 ])
 def test_zsh_script_logic(words, expected):
     assert shutil.which("zsh"), "zsh is missing: run scripts/setup"
-    script = ZSH_HARNESS % (SCRIPTS / "_kvctl", " ".join(f"'{word}'" for word in words))
+    script = ZSH_HARNESS.replace("SCRIPT", str(SCRIPTS / "_kvctl")).replace("WORDS", " ".join(f"'{w}'" for w in words))
     done = subprocess.run(["zsh", "-f", "-c", script], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == expected
