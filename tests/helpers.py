@@ -49,10 +49,23 @@ def run_kvctl(*args: str, env: dict | None = None, timeout: float = 300, cwd=Non
     return Result(done.returncode, done.stdout, done.stderr)
 
 
-def free_port() -> int:
+def free_port(span: int = 2) -> int:
+    """A port p on 127.0.0.1 with p .. p + span - 1 all free (LMCache's worker 0 listens on port_start + 1)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port + span <= 65535 and all(_bindable(port + offset) for offset in range(span)):
+            return port
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def wait_until(check, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None):

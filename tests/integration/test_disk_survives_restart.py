@@ -28,7 +28,8 @@ def first_run(tmp_path):
     proc = run_engine(tmp_path / "cfg", tmp_path / "first.log", url)
     try:
         http_json("POST", f"{url}/cache/store", params={"tokens_mock": f"0,{4 * CHUNK}"})
-        wait_until(lambda: len(list(disk.glob("*.pt"))) == 4, 30, "disk files")
+        # LMCache writes a chunk file in place: wait until all four are complete before stopping the engine
+        wait_until(lambda: [p.stat().st_size for p in disk.glob("*.pt")] == [CHUNK_BYTES] * 4, 30, "disk files")
     finally:
         stop_process(proc)
     return tmp_path / "cfg", disk, url
