@@ -90,19 +90,24 @@ def start_process(argv: list[str], log: Path, env: dict | None = None) -> subpro
 
 
 def stop_process(proc: subprocess.Popen, grace: float = 10) -> None:
-    """SIGTERM the process group, SIGKILL it after `grace` seconds; never leaves it behind."""
+    """SIGTERM the process group, SIGKILL what is left after `grace` seconds (the leader's children too,
+    which may hold its sockets), and wait until the group is gone; never leaves anything behind."""
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-    else:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
 
 
 def http_json(method: str, url: str, **kwargs):
