@@ -21,7 +21,11 @@ def serve(model, config_dir, log):
     proc = start_vllm(model, log, port, ["--kv-transfer-config", kv_transfer],
                       env={"LMCACHE_CONFIG_FILE": str(config_dir / "lmcache.yaml")})
     url = f"http://127.0.0.1:{port}"
-    wait_until(lambda: httpx.get(f"{url}/health", timeout=5).status_code == 200, 300, "vLLM", proc, log)
+    try:
+        wait_until(lambda: httpx.get(f"{url}/health", timeout=5).status_code == 200, 300, "vLLM", proc, log)
+    except BaseException:
+        stop_process(proc, grace=20)  # a vLLM that never became ready is stopped too
+        raise
     return proc, url
 
 

@@ -14,7 +14,11 @@ CHUNK_BYTES = 2 * 2 * CHUNK * 64 * 2
 
 def run_engine(config_dir, log, url):
     proc = start_standalone_engine(config_dir, log)
-    wait_until(lambda: http_json("GET", f"{url}/lmc_version"), 120, "standalone engine", proc, log)
+    try:
+        wait_until(lambda: http_json("GET", f"{url}/lmc_version"), 120, "standalone engine", proc, log)
+    except BaseException:
+        stop_process(proc)  # an engine that never became ready is stopped too
+        raise
     return proc
 
 
