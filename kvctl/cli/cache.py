@@ -30,21 +30,21 @@ def parse_duration(text: str) -> float:
     return float(match.group(1)) * UNITS[match.group(2)]
 
 
-def _worker(instance: str | None, state: Path | None):
+def _worker(instance: str | None, state: Path | None, vllm_url: str | None = None):
+    """(client of worker 0's routes, vLLM URL for tokenizing) of an in-process instance."""
     from kvctl.clients.internal_api import InternalAPIClient
 
-    url, _config, _vllm = instance_target(instance, state, None)
+    url, _config, vllm_url = instance_target(instance, state, vllm_url)
     if url is None:
         raise UsageError("pins and evictions by prompt need an in-process instance with kvctl's routes",
                          hint="MP mode: pin through LMCache's coordinator (/cache/pins); this is not supported here yet")
-    return InternalAPIClient(url)
+    return InternalAPIClient(url), vllm_url
 
 
-def _tokens(worker, instance, state, prompt_file, chat, tokens_file, model, vllm_url):
+def _tokens(worker, prompt_file, chat, tokens_file, model, vllm_url):
     info = worker.info()
-    _, _, state_vllm = instance_target(instance, state, vllm_url)
     model_dir = model or (info["model"] if Path(info["model"]).is_dir() else None)
-    return load_tokens(prompt_file, chat, tokens_file, model_dir, vllm_url or state_vllm, info["model"])
+    return load_tokens(prompt_file, chat, tokens_file, model_dir, vllm_url, info["model"])
 
 
 def pin(
@@ -57,9 +57,9 @@ def pin(
 ) -> None:
     """Pin a prompt's chunks on the CPU and disk tiers: eviction skips them until unpinned or the TTL ends."""
     ttl_s = parse_duration(ttl) if ttl else None
-    worker = _worker(instance, state)
+    worker, vllm_url = _worker(instance, state, vllm_url)
     with worker:
-        token_ids = _tokens(worker, instance, state, prompt_file, chat, tokens_file, model, vllm_url)
+        token_ids = _tokens(worker, prompt_file, chat, tokens_file, model, vllm_url)
         result = worker.pin(token_ids, ttl_s, tier)
     ctx.obj.emit(result, [Table(["pin id", "chunks", "tokens", "pinned", "expires in"],
                                 [(result["pin_id"], result["chunks"], result["tokens"],
@@ -82,12 +82,12 @@ def unpin(
     if chosen != 1:
         raise UsageError("give exactly one of --pin-id, a prompt (--prompt-file/--chat/--tokens-file), --all",
                          hint="kvctl pins lists the pin ids")
-    worker = _worker(instance, state)
+    worker, vllm_url = _worker(instance, state, vllm_url)
     with worker:
         if pin_id or everything:
             result = worker.unpin(pin_id=pin_id, everything=everything)
         else:
-            token_ids = _tokens(worker, instance, state, prompt_file, chat, tokens_file, model, vllm_url)
+            token_ids = _tokens(worker, prompt_file, chat, tokens_file, model, vllm_url)
             result = worker.unpin(tokens=token_ids)
     rows = [(entry["pin_id"], entry["chunks"], entry["tokens"]) for entry in result["unpinned"]]
     ctx.obj.emit(result, [Table(["pin id", "chunks", "tokens"], rows, title="unpinned")])
@@ -95,7 +95,7 @@ def unpin(
 
 def pins(ctx: typer.Context, instance: InstanceOption = None, state: StateOption = None) -> None:
     """List kvctl's pins on the instance."""
-    worker = _worker(instance, state)
+    worker, _vllm_url = _worker(instance, state)
     with worker:
         listed = worker.pins()
     rows = [(p["pin_id"], p["chunks"], p["tokens"], " ".join(f"{t}:{n}" for t, n in p["pinned"].items()),
@@ -121,11 +121,11 @@ def evict(
         raise UsageError("say what to evict: a prompt, --key, or --tier T / --all",
                          hint="add --dry-run to see what would go first")
     out = ctx.obj
-    worker = _worker(instance, state)
+    worker, vllm_url = _worker(instance, state, vllm_url)
     with worker:
         selection = {"tiers": tier, "force": force, "everything": everything or not (prompt_given or key)}
         if prompt_given:
-            selection["tokens"] = _tokens(worker, instance, state, prompt_file, chat, tokens_file, model, vllm_url)
+            selection["tokens"] = _tokens(worker, prompt_file, chat, tokens_file, model, vllm_url)
             selection["everything"] = False
         elif key:
             selection["keys"] = key

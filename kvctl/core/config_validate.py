@@ -93,8 +93,9 @@ def validate(target: str | os.PathLike, mode: str | None = None, block_size: int
     if kv_transfer is not None:
         _check_kv_transfer(kv_transfer, mode, yaml_values, collector)
     if files.env_path is not None:
-        _check_env(parse_env_file(read_text(files.env_path)), f"{files.env_path.name}:", collector, from_file=True)
-        if mode == "inprocess" and "PYTHONHASHSEED" not in parse_env_file(read_text(files.env_path)):
+        env_file = parse_env_file(read_text(files.env_path))
+        _check_env(env_file, f"{files.env_path.name}:", collector, from_file=True)
+        if mode == "inprocess" and "PYTHONHASHSEED" not in env_file:
             collector.warning("PYTHONHASHSEED", f"{files.env_path.name} does not set PYTHONHASHSEED",
                               hint="without a fixed seed vLLM's NONE_HASH differs per process and chunk keys never match")
     _check_env(dict(os.environ if environ is None else environ), "env:", collector, from_file=False)
