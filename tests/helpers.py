@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -50,13 +51,20 @@ def run_kvctl(*args: str, env: dict | None = None, timeout: float = 300, cwd=Non
 
 
 def free_port(span: int = 2) -> int:
-    """A port p on 127.0.0.1 with p .. p + span - 1 all free (LMCache's worker 0 listens on port_start + 1)."""
+    """A port p on 127.0.0.1 with p .. p + span - 1 all free (LMCache's worker 0 listens on port_start + 1).
+
+    Drawn below the kernel's ephemeral range, where no outgoing connection can take it between this check and
+    the server's bind, and never handed out twice in one test session."""
+    low_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        if port + span <= 65535 and all(_bindable(port + offset) for offset in range(span)):
+        port = random.randrange(10_000, low_ephemeral - span)
+        ports = range(port, port + span)
+        if not _HANDED_OUT.intersection(ports) and all(map(_bindable, ports)):
+            _HANDED_OUT.update(ports)
             return port
+
+
+_HANDED_OUT: set[int] = set()
 
 
 def _bindable(port: int) -> bool:

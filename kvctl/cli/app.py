@@ -30,6 +30,7 @@ app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown
 app.command("prewarm")(prewarm.prewarm)
 app.command("lookup")(lookup.lookup)
 app.command("keys")(lookup.keys)
+app.command("ls")(cache.ls)
 app.command("pin")(cache.pin)
 app.command("unpin")(cache.unpin)
 app.command("pins")(cache.pins)

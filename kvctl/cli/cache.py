@@ -10,7 +10,17 @@ from typing import Annotated
 
 import typer
 
-from kvctl.cli.lookup import ChatFile, ModelOption, PromptFile, TokensFile, VllmOption, instance_target, load_tokens
+from kvctl.cli.lookup import (
+    ChatFile,
+    ConfigOption,
+    ModelOption,
+    PromptFile,
+    TokensFile,
+    VllmOption,
+    instance_target,
+    load_tokens,
+)
+from kvctl.cli.options import Tier
 from kvctl.core.errors import ExitCode, UsageError
 from kvctl.output import Table
 
@@ -18,7 +28,7 @@ InstanceOption = Annotated[str | None, typer.Option("--instance", help="A 'kvctl
                                                     "API URL of worker 0.")]
 StateOption = Annotated[Path | None, typer.Option("--state", help="The state file of a 'kvctl serve' (default: the "
                                                   "most recent one).")]
-TierOption = Annotated[list[str] | None, typer.Option("--tier", help="cpu, disk, redis or all (repeatable).")]
+TierOption = Annotated[list[Tier] | None, typer.Option("--tier", help="cpu, disk, redis or all (repeatable).")]
 DURATION = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhd]?)$")
 UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -47,6 +57,61 @@ def _tokens(worker, prompt_file, chat, tokens_file, model, vllm_url):
     return load_tokens(prompt_file, chat, tokens_file, model_dir, vllm_url, info["model"])
 
 
+def tier_names(tiers: list[Tier] | None) -> list[str] | None:
+    return [tier.value for tier in tiers] if tiers else None
+
+
+def ls(
+    ctx: typer.Context,
+    tier: TierOption = None,
+    model: Annotated[str | None, typer.Option("--model", help="Only chunks of this model (the value of vLLM's "
+                                              "--model).")] = None,
+    limit: Annotated[int, typer.Option("--limit", min=1, help="At most this many chunks listed per tier (totals "
+                                       "count them all).")] = 100,
+    config: ConfigOption = None, instance: InstanceOption = None, state: StateOption = None,
+) -> None:
+    """List cached chunks per tier: key, size, pin state, age where known; totals per tier.
+
+    A running in-process instance answers for its CPU and disk tiers (pins included); Redis, and the
+    disk directory of a --config with no instance, are read directly.
+    """
+    from kvctl.core import listing
+
+    selected = tier_names(tier)
+    if config is None:
+        worker_url, config, _vllm_url = instance_target(instance, state, None)
+    else:
+        worker_url = None
+    if worker_url is not None:
+        from kvctl.clients.internal_api import InternalAPIClient
+
+        with InternalAPIClient(worker_url) as worker:
+            result = listing.collect(listing.engine_listers(worker, selected, limit, model))
+    else:
+        from kvctl.core.target import read_deployment
+
+        stores = [store for store in read_deployment(config).stores
+                  if not selected or "all" in selected or store.tier in selected]
+        result = listing.collect({store.tier: listing.store_lister(store, limit, model) for store in stores})
+    render_listing(ctx.obj, result)
+
+
+def render_listing(out, result) -> None:
+    rows = []
+    for tier in result.tiers:
+        for chunk in tier.chunks:
+            pinned = "kvctl" if chunk.kvctl_pinned else "lmcache" if chunk.pinned else ""
+            age = "" if chunk.age_s is None else f"{chunk.age_s:.0f} s"
+            rows.append((tier.tier, chunk.key, "" if chunk.size is None else chunk.size, pinned, age))
+    totals = "; ".join(f"{t.tier}: {t.total} chunks" + (f" ({len(t.chunks)} listed)" if len(t.chunks) < t.total else "")
+                       for t in result.tiers)
+    out.emit(result.as_dict(), [Table(["tier", "key", "bytes", "pinned", "age"], rows, caption=totals or "no tiers")])
+    for tier, message in result.errors.items():
+        out.error(f"{tier} tier: {message}")
+    if result.errors:
+        raise typer.Exit(ExitCode.PARTIAL if result.tiers else ExitCode.UNREACHABLE)
+
+
 def pin(
     ctx: typer.Context,
     prompt_file: PromptFile = None, chat: ChatFile = None, tokens_file: TokensFile = None,
@@ -60,7 +125,7 @@ def pin(
     worker, vllm_url = _worker(instance, state, vllm_url)
     with worker:
         token_ids = _tokens(worker, prompt_file, chat, tokens_file, model, vllm_url)
-        result = worker.pin(token_ids, ttl_s, tier)
+        result = worker.pin(token_ids, ttl_s, tier_names(tier))
     ctx.obj.emit(result, [Table(["pin id", "chunks", "tokens", "pinned", "expires in"],
                                 [(result["pin_id"], result["chunks"], result["tokens"],
                                   " ".join(f"{t}:{n}" for t, n in result["pinned"].items()),
@@ -108,7 +173,7 @@ def evict(
     prompt_file: PromptFile = None, chat: ChatFile = None, tokens_file: TokensFile = None,
     key: Annotated[list[str] | None, typer.Option("--key", help="A chunk key (repeatable).")] = None,
     tier: TierOption = None,
-    everything: Annotated[bool, typer.Option("--all", help="Every chunk of the selected tiers (cpu and disk).")] = False,
+    everything: Annotated[bool, typer.Option("--all", help="Every chunk of the selected tiers (in Redis: those of this instance's model).")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="List exactly what would be removed; remove "
                                           "nothing.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask (required when not on a terminal).")] = False,
@@ -120,17 +185,17 @@ def evict(
     if sum((prompt_given, bool(key), everything)) != 1 and not (tier and not prompt_given and not key):
         raise UsageError("say what to evict: a prompt, --key, or --tier T / --all",
                          hint="add --dry-run to see what would go first")
+    from kvctl.core.listing import evict_from_instance
+
     out = ctx.obj
     worker, vllm_url = _worker(instance, state, vllm_url)
     with worker:
-        selection = {"tiers": tier, "force": force, "everything": everything or not (prompt_given or key)}
+        selection = {"tiers": tier_names(tier), "force": force, "everything": not (prompt_given or key)}
         if prompt_given:
             selection["tokens"] = _tokens(worker, prompt_file, chat, tokens_file, model, vllm_url)
-            selection["everything"] = False
         elif key:
             selection["keys"] = key
-            selection["everything"] = False
-        planned = worker.evict(dry_run=True, **selection)
+        planned = evict_from_instance(worker, dry_run=True, **selection)
         total = sum(planned["removed"].values())
         if dry_run or total == 0:
             result = planned
@@ -142,7 +207,7 @@ def evict(
                 counts = ", ".join(f"{tier_}: {n}" for tier_, n in planned["removed"].items())
                 if not typer.confirm(f"evict {total} chunks ({counts})?", err=True):
                     raise typer.Exit(ExitCode.ERROR)
-            result = worker.evict(**selection)
+            result = evict_from_instance(worker, dry_run=False, **selection)
     rows = [(t, n, result["skipped_pinned"].get(t, 0)) for t, n in result["removed"].items()]
     title = "would evict (dry run)" if result["dry_run"] else "evicted"
     out.emit(result, [Table(["tier", "chunks", "kept (pinned)"], rows, title=title)])

@@ -33,3 +33,10 @@ class Shell(str, Enum):
 class PrefetchTier(str, Enum):
     disk = "disk"
     redis = "redis"
+
+
+class Tier(str, Enum):
+    cpu = "cpu"
+    disk = "disk"
+    redis = "redis"
+    all = "all"

@@ -131,22 +131,41 @@ class RedisTier:
         return found
 
     def stored_names(self, limit: int) -> list[str]:
-        return self.scan(self.list_pattern, limit)
+        return self.scan(self.list_pattern, limit)[0]
 
-    def scan(self, match: str, limit: int) -> list[str]:
-        """Up to `limit` key names matching the glob, by SCAN (never KEYS)."""
+    def scan(self, match: str, limit: int, count_all: bool = False) -> tuple[list[str], int]:
+        """(the first `limit` key names matching the glob, how many match: all of them with `count_all`,
+        else the listed), by SCAN (never KEYS)."""
         client = self._redis_py()
-        names = []
+        names, total = [], 0
         try:
             for name in client.scan_iter(match=match, count=1000):
-                names.append(name.decode(errors="replace") if isinstance(name, bytes) else name)
-                if len(names) >= limit:
+                if len(names) == limit and not count_all:
                     break
+                total += 1
+                if len(names) < limit:
+                    names.append(name.decode(errors="replace") if isinstance(name, bytes) else name)
         except Exception as error:  # noqa: BLE001 - redis-py's exceptions, mapped to kvctl's
             raise _map_redis_error(error) from None
         finally:
             client.close()
-        return names
+        return names, total
+
+    def value_sizes(self, names: Sequence[str]) -> list[int]:
+        """STRLEN of each name (0 when missing), pipelined: sizes without reading a value."""
+        client = self._redis_py()
+        try:
+            sizes = []
+            for offset in range(0, len(names), BATCH):
+                pipe = client.pipeline(transaction=False)
+                for name in names[offset:offset + BATCH]:
+                    pipe.strlen(name)
+                sizes.extend(pipe.execute())
+            return sizes
+        except Exception as error:  # noqa: BLE001
+            raise _map_redis_error(error) from None
+        finally:
+            client.close()
 
     def delete(self, names: Iterable[str]) -> int:
         client = self._redis_py()

@@ -4,11 +4,7 @@ from __future__ import annotations
 
 from kvctl.clients.disk_tier import DiskTier
 from kvctl.clients.redis_tier import RedisTier
-from kvctl.core.target import Store
-
-# What each layout's stored names look like when listed: file suffix, or Redis SCAN pattern.
-DISK_SUFFIXES = {"lmcache-disk": ".pt", "mp-fs": ".data"}
-REDIS_PATTERNS = {"lmcache-redis": "*metadata", "mp-resp": "*@*@*@*"}
+from kvctl.core.target import DISK_SUFFIXES, REDIS_PATTERNS, Store
 
 
 def open_store(store: Store) -> DiskTier | RedisTier:

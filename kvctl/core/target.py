@@ -27,6 +27,13 @@ from kvctl.core.lmcache_schema import mp_server_flags
 from kvctl.core.tiers import parse_redis_url, RedisURL
 
 
+# What the stored names of each layout look like: file suffix, Redis SCAN pattern, and what LMCache
+# appends to a chunk key to name it in Redis.
+DISK_SUFFIXES = {"lmcache-disk": ".pt", "mp-fs": ".data"}
+REDIS_PATTERNS = {"lmcache-redis": "*@*@*@*@*metadata", "mp-resp": "*@*@*@*"}
+REDIS_SUFFIXES = {"lmcache-redis": "metadata", "mp-resp": ""}
+
+
 @dataclass(frozen=True)
 class Store:
     """One place chunks live: `tier` as users say it, `layout` as LMCache writes it."""
@@ -73,35 +80,28 @@ def _load_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
-def target_from_config(config: str | os.PathLike, model: str | None, kv_dtype: str | None = None,
-                       world_size: int = 1, hash_seed: str | None = None) -> Target:
-    """The target described by a `kvctl config init` directory (or an lmcache.yaml)."""
+@dataclass
+class Deployment:
+    """What a `kvctl config init` directory (or an lmcache.yaml) says about a deployment."""
+
+    mode: str
+    env: dict[str, str]
+    values: dict[str, Any]  # lmcache.yaml as written (MP: the server's settings)
+    settings: dict[str, Any]  # in-process: LMCache's effective configuration; MP: the values
+    stores: list[Store]
+    notes: list[str]
+
+
+def read_deployment(config: str | os.PathLike) -> Deployment:
     files = locate(config)
     env = parse_env_file(read_text(files.env_path)) if files.env_path else {}
     kv_transfer = json.loads(read_text(files.kv_transfer_path)) if files.kv_transfer_path else {}
     values = _load_yaml(files.yaml_path) if files.yaml_path else {}
-    model = model or env.get("KVCTL_MODEL")
-    if not model:
-        raise UsageError("which model? chunk keys contain the model name vLLM was given",
-                         hint="pass --model with the value of vLLM's --model (a directory or a hub id)")
-    seed = hash_seed if hash_seed is not None else env.get("PYTHONHASHSEED")
-    model_dir = model if Path(model).is_dir() else None
-    if kv_dtype:
-        dtype = dtype_name(kv_dtype)
-    elif model_dir:
-        dtype = kv_dtype_for_model(model_dir)
-    else:
-        raise UsageError(f"cannot tell the KV dtype of {model!r} (not a local directory)", hint="pass --kv-dtype")
-    notes = []
-    if seed is None:
-        notes.append("no PYTHONHASHSEED known for the serving process (env.sh sets none); assuming it was unset")
     if detect_mode(kv_transfer or None, values or None) == "mp":
-        return _mp_target(values, model, world_size, seed, model_dir, notes)
-    effective = effective_config(values, "file", {}, kv_transfer.get("kv_connector_extra_config") or {}, "vllm")
-    settings = effective.values
-    recipe = KeyRecipe(model, settings["chunk_size"], settings["pre_caching_hash_algorithm"], seed, True,
-                       settings["save_unfull_chunk"], world_size, 0, dtype)
-    stores = []
+        stores, notes = _mp_stores(values)
+        return Deployment("mp", env, values, values, stores, notes)
+    settings = effective_config(values, "file", {}, kv_transfer.get("kv_connector_extra_config") or {}, "vllm").values
+    stores, notes = [], []
     if settings["local_disk"] and settings["max_local_disk_size"]:
         stores.append(Store("disk", "lmcache-disk", tuple(settings["local_disk"].split(","))))
     remote = settings["remote_url"]
@@ -109,15 +109,41 @@ def target_from_config(config: str | os.PathLike, model: str | None, kv_dtype: s
         stores.append(Store("redis", "lmcache-redis", redis=parse_redis_url(remote)))
     elif remote:
         notes.append(f"the remote tier {remote.split('://')[0]}:// is not one kvctl reads directly")
-    return Target("inprocess", recipe, stores, model_dir, notes)
+    return Deployment("inprocess", env, values, settings, stores, notes)
 
 
-def _mp_target(values: dict[str, Any], model: str, world_size: int, seed: str | None, model_dir: str | None,
-               notes: list[str]) -> Target:
-    flags = mp_server_flags()
-    recipe = MPKeyRecipe(model, values.get("chunk_size", flags["chunk_size"]["default"]),
-                         values.get("hash_algorithm", flags["hash_algorithm"]["default"]), seed, world_size)
-    stores = []
+def target_from_config(config: str | os.PathLike, model: str | None, kv_dtype: str | None = None,
+                       world_size: int = 1, hash_seed: str | None = None) -> Target:
+    """The target described by a `kvctl config init` directory (or an lmcache.yaml)."""
+    deployment = read_deployment(config)
+    model = model or deployment.env.get("KVCTL_MODEL")
+    if not model:
+        raise UsageError("which model? chunk keys contain the model name vLLM was given",
+                         hint="pass --model with the value of vLLM's --model (a directory or a hub id)")
+    seed = hash_seed if hash_seed is not None else deployment.env.get("PYTHONHASHSEED")
+    model_dir = model if Path(model).is_dir() else None
+    if kv_dtype:
+        dtype = dtype_name(kv_dtype)
+    elif model_dir:
+        dtype = kv_dtype_for_model(model_dir)
+    else:
+        raise UsageError(f"cannot tell the KV dtype of {model!r} (not a local directory)", hint="pass --kv-dtype")
+    notes = list(deployment.notes)
+    if seed is None:
+        notes.append("no PYTHONHASHSEED known for the serving process (env.sh sets none); assuming it was unset")
+    settings = deployment.settings
+    if deployment.mode == "mp":
+        flags = mp_server_flags()
+        recipe = MPKeyRecipe(model, settings.get("chunk_size", flags["chunk_size"]["default"]),
+                             settings.get("hash_algorithm", flags["hash_algorithm"]["default"]), seed, world_size)
+        return Target("mp", recipe, deployment.stores, model_dir, notes)
+    recipe = KeyRecipe(model, settings["chunk_size"], settings["pre_caching_hash_algorithm"], seed, True,
+                       settings["save_unfull_chunk"], world_size, 0, dtype)
+    return Target("inprocess", recipe, deployment.stores, model_dir, notes)
+
+
+def _mp_stores(values: dict[str, Any]) -> tuple[list[Store], list[str]]:
+    stores, notes = [], []
     for adapter in values.get("l2_adapter") or []:
         adapter = json.loads(adapter) if isinstance(adapter, str) else adapter
         if adapter.get("type") == "fs":
@@ -129,4 +155,4 @@ def _mp_target(values: dict[str, Any], model: str, world_size: int, seed: str | 
         else:
             notes.append(f"the {adapter.get('type')} L2 adapter is not one kvctl reads directly")
     notes.append("the MP server's L1 (cpu) tier has no side-effect-free lookup in LMCache 0.5.6; it is not checked")
-    return Target("mp", recipe, stores, model_dir, notes)
+    return stores, notes

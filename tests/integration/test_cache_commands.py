@@ -1,4 +1,5 @@
-"""`kvctl pin`, `unpin`, `pins` and `evict` against a real LMCache engine with kvctl's routes."""
+"""`kvctl ls`, `pin`, `unpin`, `pins` and `evict` against a real LMCache engine with kvctl's routes
+(CPU + disk + Redis tiers, a real redis-server)."""
 
 import json
 
@@ -6,37 +7,50 @@ import pytest
 
 from kvctl.cli.cache import parse_duration
 from kvctl.core.errors import UsageError
+from kvctl.core.keys import KeyRecipe, disk_file_name, inprocess_keys
 from tests.helpers import free_port, http_json, run_kvctl, start_standalone_engine, stop_process, wait_until
 
 CHUNK = 256
+CHUNK_BYTES = 2 * 2 * CHUNK * 64 * 2  # kv, layers, tokens, heads x head size, float16
+RECIPE = KeyRecipe("tiny", CHUNK, "sha256_cbor", "0", kv_dtype="half")
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def engine(tmp_path_factory, module_redis):
     root = tmp_path_factory.mktemp("cache-commands")
     port_start = free_port()
     assert run_kvctl("config", "init", "--out", root / "cfg", "--tier", "cpu:0.1", "--tier", f"disk:{root}/disk:1",
-                     "--internal-api-port-start", port_start).code == 0
+                     "--tier", module_redis.url, "--internal-api-port-start", port_start).code == 0
     log = root / "engine.log"
     proc = start_standalone_engine(root / "cfg", log)
     url = f"http://127.0.0.1:{port_start + 1}"
     try:
         wait_until(lambda: http_json("GET", f"{url}/lmc_version"), 120, "standalone engine", proc, log)
-        yield {"url": url, "root": root}
+        yield {"url": url, "root": root, "redis": module_redis.client()}
     finally:
-        stop_process(proc)
+        stop_process(proc, grace=2)  # LMCache 0.5.6 never exits on SIGTERM with a redis:// tier
 
 
 def store(engine, start, chunks):
     http_json("POST", f"{engine['url']}/cache/store", params={"tokens_mock": f"{start},{start + chunks * CHUNK}"})
     path = engine["root"] / f"tokens-{start}.json"
     path.write_text(json.dumps(list(range(start, start + chunks * CHUNK))))
-    wait_until(lambda: len(list((engine["root"] / "disk").glob("*.pt"))) >= chunks, 30, "disk files")
+    keys = inprocess_keys(list(range(start, start + chunks * CHUNK)), RECIPE)
+    files = [engine["root"] / "disk" / disk_file_name(key) for key in keys]
+    wait_until(lambda: all(path.exists() and path.stat().st_size == CHUNK_BYTES for path in files), 30, "disk files")
+    wait_until(lambda: all(engine["redis"].exists(key + "metadata") for key in keys), 30, "chunks in Redis")
     return path
 
 
 def kvctl(engine, *args):
     return run_kvctl(*args, "--instance", engine["url"], "--format", "json")
+
+
+def answer(engine, *args):
+    """The JSON a successful kvctl command prints."""
+    result = kvctl(engine, *args)
+    assert result.code == 0, result.stderr
+    return json.loads(result.stdout)
 
 
 def test_durations():
@@ -53,29 +67,78 @@ def test_pin_pins_unpin(engine):
     assert pinned.code == 0, pinned.stderr
     pin = json.loads(pinned.stdout)
     assert pin["pinned"] == {"cpu": 2, "disk": 2} and 590 < pin["ttl_remaining_s"] <= 600
-    listed = json.loads(kvctl(engine, "pins").stdout)["pins"]
+    listed = answer(engine, "pins")["pins"]
     assert [entry["pin_id"] for entry in listed] == [pin["pin_id"]]
-    kept = json.loads(kvctl(engine, "evict", "--tokens-file", tokens, "--yes").stdout)
-    assert kept["removed"] == {"cpu": 0, "disk": 0} and kept["skipped_pinned"] == {"cpu": 2, "disk": 2}
-    released = json.loads(kvctl(engine, "unpin", "--tokens-file", tokens).stdout)["unpinned"]
+    kept = answer(engine, "evict", "--tokens-file", tokens, "--yes")
+    # a pinned chunk keeps its copies on every tier, Redis included, unless --force
+    assert kept["removed"] == {"cpu": 0, "disk": 0, "redis": 0}
+    assert kept["skipped_pinned"] == {"cpu": 2, "disk": 2, "redis": 2}
+    released = answer(engine, "unpin", "--tokens-file", tokens)["unpinned"]
     assert [entry["pin_id"] for entry in released] == [pin["pin_id"]]
-    assert json.loads(kvctl(engine, "pins").stdout)["pins"] == []
+    assert answer(engine, "pins")["pins"] == []
     assert kvctl(engine, "unpin", "--pin-id", "nope").code == 4
 
 
 @pytest.mark.slow
 def test_evict_asks_for_yes_lists_on_dry_run_and_removes(engine):
     tokens = store(engine, 10_000, 2)
-    dry = json.loads(kvctl(engine, "evict", "--tokens-file", tokens, "--dry-run").stdout)
-    assert dry["dry_run"] and dry["removed"] == {"cpu": 2, "disk": 2} and len(dry["chunks"]) == 4
+    dry = answer(engine, "evict", "--tokens-file", tokens, "--dry-run")
+    assert dry["dry_run"] and dry["removed"] == {"cpu": 2, "disk": 2, "redis": 2} and len(dry["chunks"]) == 6
     refused = kvctl(engine, "evict", "--tokens-file", tokens)
     assert refused.code == 2 and "without --yes" in refused.stderr
     lookup = json.loads(run_kvctl("lookup", "--instance", engine["url"], "--tokens-file", tokens).stdout)
     assert lookup["hit_tokens"]["total"] == 2 * CHUNK  # neither the dry run nor the refusal removed anything
-    done = json.loads(kvctl(engine, "evict", "--tokens-file", tokens, "--tier", "disk", "--yes").stdout)
+    done = answer(engine, "evict", "--tokens-file", tokens, "--tier", "disk", "--yes")
     assert done["removed"] == {"disk": 2}
     after = json.loads(run_kvctl("lookup", "--instance", engine["url"], "--tokens-file", tokens).stdout)
-    assert [chunk["tiers"] for chunk in after["chunks"]] == [["cpu"], ["cpu"]]
-    everything = json.loads(kvctl(engine, "evict", "--tier", "cpu", "--yes").stdout)
+    assert [chunk["tiers"] for chunk in after["chunks"]] == [["cpu", "redis"], ["cpu", "redis"]]
+    everything = answer(engine, "evict", "--tier", "cpu", "--yes")
     assert everything["removed"]["cpu"] >= 2
     assert kvctl(engine, "evict").code == 2
+
+
+@pytest.mark.slow
+def test_ls_lists_every_tier_with_sizes_pins_and_totals(engine):
+    tokens = store(engine, 20_000, 3)
+    keys = inprocess_keys(json.loads(tokens.read_text()), RECIPE)
+    engine["redis"].set("other@1@0@abc@halfmetadata", b"m")  # another model's chunk in a shared Redis
+    pin = answer(engine, "pin", "--tokens-file", tokens)
+    try:
+        listed = kvctl(engine, "ls")
+        assert listed.code == 0, listed.stderr
+        tiers = {tier["tier"]: tier for tier in json.loads(listed.stdout)["tiers"]}
+        assert set(tiers) == {"cpu", "disk", "redis"}
+        for name, tier in tiers.items():
+            chunks = {chunk["key"]: chunk for chunk in tier["chunks"]}
+            assert set(keys) <= set(chunks) and tier["total"] == len(chunks), name
+            assert all(chunks[key]["size"] == CHUNK_BYTES for key in keys), name
+        assert all(tiers["cpu"]["chunks"][i]["kvctl_pinned"] for i, c in enumerate(tiers["cpu"]["chunks"])
+                   if c["key"] in keys)
+        assert "other@1@0@abc@half" in {chunk["key"] for chunk in tiers["redis"]["chunks"]}
+        ours = answer(engine, "ls", "--tier", "redis", "--model", "tiny", "--limit", "1")["tiers"]
+        assert [(t["tier"], t["listed"], t["total"]) for t in ours] == [("redis", 1, tiers["redis"]["total"] - 1)]
+        offline = run_kvctl("ls", "--config", engine["root"] / "cfg", "--tier", "disk", "--format", "json")
+        (disk,) = json.loads(offline.stdout)["tiers"]
+        files = {chunk["key"]: chunk for chunk in disk["chunks"]}
+        assert disk["source"] == "directory" and all(files[key]["age_s"] >= 0 for key in keys)
+    finally:
+        kvctl(engine, "unpin", "--pin-id", pin["pin_id"])
+        engine["redis"].delete("other@1@0@abc@halfmetadata")
+
+
+@pytest.mark.slow
+def test_evict_whole_redis_tier_takes_only_this_models_chunks(engine):
+    tokens = store(engine, 30_000, 2)
+    foreign = ["other@1@0@abc@halfmetadata", "other@1@0@abc@halfkv_bytes", "session:42"]
+    engine["redis"].mset({name: b"x" for name in foreign})
+    ours = set(engine["redis"].scan_iter("tiny@*"))
+    dry = answer(engine, "evict", "--tier", "redis", "--dry-run")
+    assert dry["removed"] == {"redis": len(ours) // 2} and {c["key"][:5] for c in dry["chunks"]} == {"tiny@"}
+    assert set(engine["redis"].scan_iter("tiny@*")) == ours  # a dry run removes nothing
+    done = answer(engine, "evict", "--tier", "redis", "--yes")
+    assert done["removed"] == dry["removed"]
+    assert list(engine["redis"].scan_iter("tiny@*")) == []
+    assert all(engine["redis"].exists(name) for name in foreign)  # nothing the user did not select
+    after = json.loads(run_kvctl("lookup", "--instance", engine["url"], "--tokens-file", tokens).stdout)
+    assert [chunk["tiers"] for chunk in after["chunks"]] == [["cpu", "disk"]] * 2
+    engine["redis"].delete(*foreign)

@@ -1,0 +1,199 @@
+"""`kvctl ls`: the chunks each tier holds, with size, pin state and age where known, and totals per tier.
+
+A live in-process engine answers for its CPU and disk tiers through kvctl's routes (the only view
+that knows pins); Redis, and the disk directory when no engine runs, are read directly. Nothing
+here reads a value, pins a chunk or moves it in an eviction order.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvctl.core.target import DISK_SUFFIXES, REDIS_PATTERNS, REDIS_SUFFIXES, Store
+
+ENGINE_PAGE = 10_000  # the routes' largest page
+
+
+@dataclass
+class Chunk:
+    key: str
+    size: int | None = None
+    pinned: bool | None = None  # held by LMCache's own pin count (None: the source cannot tell)
+    kvctl_pinned: bool | None = None  # held by a kvctl pin
+    age_s: float | None = None  # since it was written, where the source knows
+
+
+@dataclass
+class TierListing:
+    tier: str
+    source: str  # "engine", "directory", "redis"
+    total: int  # chunks in the tier (of the selected model), not just the listed ones
+    chunks: list[Chunk] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        sizes = [chunk.size for chunk in self.chunks if chunk.size is not None]
+        return {"tier": self.tier, "source": self.source, "total": self.total, "listed": len(self.chunks),
+                "listed_bytes": sum(sizes) if sizes else None,
+                "pinned": sum(bool(chunk.pinned or chunk.kvctl_pinned) for chunk in self.chunks),
+                "chunks": [asdict(chunk) for chunk in self.chunks]}
+
+
+def model_of(key: str) -> str:
+    """The model name a chunk key starts with (both modes put it first)."""
+    return key.split("@", 1)[0]
+
+
+def _matches(key: str, model: str | None) -> bool:
+    # disk file names carry the model with '/' replaced by '-'
+    return model is None or model_of(key) in (model, model.replace("/", "-"))
+
+
+def from_engine(worker, tier: str, limit: int, model: str | None = None) -> TierListing:
+    """A live engine's CPU or disk tier, in the engine's order (LRU first for the CPU tier)."""
+    listing = TierListing(tier, "engine", 0)
+    offset: int | None = 0
+    while offset is not None:
+        page = worker.keys(tier, offset, ENGINE_PAGE if model else max(1, min(limit, ENGINE_PAGE)))
+        for entry in page["keys"]:
+            if not _matches(entry["key"], model):
+                continue
+            listing.total += 1
+            if len(listing.chunks) < limit:
+                listing.chunks.append(Chunk(entry["key"], entry["size"], entry["pinned"], entry["kvctl_pinned"]))
+        if model is None:
+            listing.total = page["total"]
+            if len(listing.chunks) >= limit:
+                break
+        offset = page["next_offset"]
+    return listing
+
+
+def from_directory(store: Store, limit: int, model: str | None = None) -> TierListing:
+    """A disk tier's files, oldest first (file name = key + suffix; size and age from the file)."""
+    from kvctl.clients.disk_tier import DiskTier
+
+    suffix = DISK_SUFFIXES[store.layout]
+    found = []
+    for name in DiskTier(store.directories, suffix).names():
+        key = name[: -len(suffix)]
+        if _matches(key, model):
+            found.append(key)
+    now = time.time()
+    entries = []
+    for directory in store.directories:
+        for key in found:
+            try:
+                info = os.stat(os.path.join(directory, key + suffix))
+            except OSError:
+                continue
+            entries.append(Chunk(key, info.st_size, age_s=round(max(0.0, now - info.st_mtime), 1)))
+    entries.sort(key=lambda chunk: -(chunk.age_s or 0))
+    return TierListing(store.tier, "directory", len(entries), entries[:limit])
+
+
+def from_redis(store: Store, limit: int, model: str | None = None) -> TierListing:
+    """LMCache's chunks in Redis, found by SCAN; sizes by STRLEN of the value key (never a GET)."""
+    from kvctl.clients.redis_tier import RedisTier
+
+    suffix = REDIS_SUFFIXES[store.layout]
+    with RedisTier(store.redis) as redis:
+        names, total = redis.scan(redis_pattern(store.layout, model), limit, count_all=True)
+        keys = [name[: len(name) - len(suffix)] for name in names]
+        value_names = [key + "kv_bytes" for key in keys] if store.layout == "lmcache-redis" else keys
+        sizes = redis.value_sizes(value_names)
+    return TierListing(store.tier, "redis", total, [Chunk(key, size) for key, size in zip(keys, sizes)])
+
+
+def redis_pattern(layout: str, model: str | None) -> str:
+    """SCAN pattern for a layout's chunks, of one model or of all."""
+    pattern = REDIS_PATTERNS[layout]
+    return pattern if model is None else _glob_escape(model) + "@" + pattern.split("@", 1)[1]
+
+
+def redis_chunk_names(key: str, layout: str) -> list[str]:
+    """The Redis names one chunk occupies (LMCache's connector writes two per chunk)."""
+    return [key + "kv_bytes", key + "metadata"] if layout == "lmcache-redis" else [key]
+
+
+def _glob_escape(text: str) -> str:
+    return "".join(f"\\{char}" if char in "*?[]\\" else char for char in text)
+
+
+@dataclass
+class Listing:
+    tiers: list[TierListing]
+    errors: dict[str, str] = field(default_factory=dict)  # tier -> why it could not be listed
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"tiers": [tier.as_dict() for tier in self.tiers], "errors": self.errors}
+
+
+def collect(listers: dict[str, Any]) -> Listing:
+    """Run each tier's lister; a tier that fails is named in `errors` and the others still list."""
+    from kvctl.core.errors import KvctlError
+
+    listing = Listing([])
+    for tier, lister in listers.items():
+        try:
+            listing.tiers.append(lister())
+        except KvctlError as error:
+            listing.errors[tier] = error.message
+    return listing
+
+
+def store_lister(store: Store, limit: int, model: str | None):
+    return lambda: (from_directory if store.layout in DISK_SUFFIXES else from_redis)(store, limit, model)
+
+
+def engine_listers(worker, tiers: list[str] | None, limit: int, model: str | None) -> dict[str, Any]:
+    """Listers for a live in-process engine's tiers: CPU and disk from the engine, Redis directly."""
+    listers: dict[str, Any] = {}
+    for entry in worker.info()["tiers"]:
+        tier = entry["tier"]
+        if tiers and "all" not in tiers and tier not in tiers:
+            continue
+        if tier in ("cpu", "disk"):
+            listers[tier] = lambda tier=tier: from_engine(worker, tier, limit, model)
+        elif tier == "redis":
+            listers[tier] = store_lister(engine_redis_store(worker), limit, model)
+    return listers
+
+
+def engine_redis_store(worker) -> Store:
+    """The Redis tier of a live in-process engine, from its own configuration."""
+    from kvctl.core.tiers import parse_redis_url
+
+    return Store("redis", "lmcache-redis", redis=parse_redis_url(worker.conf(["remote_url"])["remote_url"]))
+
+
+def evict_from_instance(worker, *, tiers: list[str] | None, everything: bool, dry_run: bool,
+                        **selection: Any) -> dict[str, Any]:
+    """Evict through the engine's routes; a whole Redis tier is enumerated here by SCAN, since LMCache
+    cannot list it. Only chunks of the engine's own model are taken from a Redis that others may share."""
+    from kvctl.clients.redis_tier import RedisTier
+
+    info = worker.info()
+    present = [entry["tier"] for entry in info["tiers"]]
+    chosen = present if not tiers or "all" in tiers else tiers
+    direct = ["redis"] if everything and "redis" in chosen and "redis" in present else []
+    result: dict[str, Any] = {"dry_run": dry_run, "removed": {}, "skipped_pinned": {}, "chunks": []}
+    routed = [tier for tier in chosen if tier not in direct]
+    if routed:
+        answer = worker.evict(tiers=routed, everything=everything, dry_run=dry_run, **selection)
+        result["removed"].update(answer["removed"])
+        result["skipped_pinned"].update(answer["skipped_pinned"])
+        result["chunks"].extend(answer["chunks"])
+    if direct:
+        store = engine_redis_store(worker)
+        with RedisTier(store.redis) as redis:
+            names, _total = redis.scan(redis_pattern(store.layout, info["model"]), 2**62)
+            keys = [name.removesuffix(REDIS_SUFFIXES[store.layout]) for name in names]
+            if not dry_run:
+                redis.delete([name for key in keys for name in redis_chunk_names(key, store.layout)])
+        result["removed"]["redis"] = len(keys)
+        result["skipped_pinned"]["redis"] = 0
+        result["chunks"].extend({"tier": "redis", "key": key} for key in keys)
+    return result
