@@ -1,9 +1,24 @@
-"""The HTTP plumbing the server clients share: one connection pool, closed with the client."""
+"""The HTTP plumbing the server clients share: one connection pool, closed with the client, and
+one mapping of failures to kvctl's errors: unreachable/timeout (exit 3), 4xx rejected (4), 5xx
+server error (5). Subclasses name their server and the hints that fit it.
+"""
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
+from kvctl.core.errors import RejectedError, ServerError, UnreachableError
+
+KVCTL_ROUTES = "/kvctl/v1"
+
 
 class HTTPClient:
+    server = "the server"
+    unreachable_hint = "check that the server runs and the URL"
+    no_routes_hint = "start the server with kvctl's plugins (kvctl serve)"
+    log_hint = "check the server's log"
+
     def __init__(self, url: str, timeout: float) -> None:
         import httpx
 
@@ -14,6 +29,33 @@ class HTTPClient:
         else:
             self._client = httpx.Client(base_url=self.url, timeout=timeout)
 
+    def request(self, method: str, path: str, body: Any = None, params: dict | None = None) -> Any:
+        """The parsed body (JSON when it parses, else text), or kvctl's error for the failure."""
+        import httpx
+
+        try:
+            response = self._client.request(method, path, json=body, params=params)
+        except httpx.TimeoutException:
+            raise UnreachableError(f"{self.url} did not answer {method} {path} in time",
+                                   hint="the server may be busy; retry, or " + self.log_hint) from None
+        except httpx.TransportError as error:
+            raise UnreachableError(f"cannot reach {self.server} at {self.url}: {error}",
+                                   hint=self.unreachable_hint) from None
+        text = response.text
+        try:
+            payload = json.loads(text) if text else None
+        except ValueError:
+            payload = text
+        if response.status_code == 404 and path.startswith(KVCTL_ROUTES) and _is_route_missing(payload):
+            raise RejectedError(f"{self.url} has no kvctl routes (HTTP 404 for {path})", hint=self.no_routes_hint)
+        if 400 <= response.status_code < 500:
+            raise RejectedError(f"{self.url} rejected {method} {path}: {_message(payload)}",
+                                hint="check the request; the server's message says what it wants")
+        if response.status_code >= 500:
+            raise ServerError(f"{self.url} failed {method} {path} (HTTP {response.status_code}): {_message(payload)}",
+                              hint=self.log_hint)
+        return payload
+
     def close(self) -> None:
         self._client.close()
 
@@ -22,3 +64,14 @@ class HTTPClient:
 
     def __exit__(self, *_exc) -> None:
         self.close()
+
+
+def _message(payload: Any) -> str:
+    if isinstance(payload, dict):
+        return str(payload.get("message") or payload.get("detail") or payload.get("error") or payload)
+    return str(payload)[:300]
+
+
+def _is_route_missing(payload: Any) -> bool:
+    """FastAPI's own 404 for an unknown path, as opposed to a kvctl route's not_found answer."""
+    return isinstance(payload, dict) and payload.get("detail") == "Not Found"

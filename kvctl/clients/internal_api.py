@@ -1,54 +1,28 @@
 """LMCache's in-process internal API server: its stock endpoints and kvctl's /kvctl/v1 routes.
 
 One server per vLLM process (scheduler at port_start, worker r at port_start + 1 + r), over TCP
-(`http://127.0.0.1:7000`) or a Unix socket (`unix:/path/prefix_7000`). Failures become kvctl's
-errors: unreachable/timeout (exit 3), 4xx rejected (4), 5xx server error (5).
+(`http://127.0.0.1:7000`) or a Unix socket (`unix:/path/prefix_7000`).
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from kvctl.clients.http import HTTPClient
-from kvctl.core.errors import RejectedError, ServerError, UnreachableError
+from kvctl.clients.http import KVCTL_ROUTES, HTTPClient
 
 TIMEOUT_S = 10.0
-KVCTL_ROUTES = "/kvctl/v1"
 
 
 class InternalAPIClient(HTTPClient):
+    server = "LMCache's internal API"
+    unreachable_hint = ("check that the engine runs with internal_api_server_enabled and the port "
+                        "(worker r listens on port_start + 1 + r)")
+    no_routes_hint = ("start the engine with kvctl's plugins: kvctl serve, or "
+                      "kv_connector_module_path=kvctl_plugins.vllm_connector")
+    log_hint = "check the engine's log"
+
     def __init__(self, url: str, timeout: float = TIMEOUT_S) -> None:
         super().__init__(url, timeout)
-
-    def request(self, method: str, path: str, body: Any = None, params: dict | None = None) -> Any:
-        import httpx
-
-        try:
-            response = self._client.request(method, path, json=body, params=params)
-        except httpx.TimeoutException:
-            raise UnreachableError(f"{self.url} did not answer {method} {path} in time",
-                                   hint="the engine may be busy; retry, or check its log") from None
-        except httpx.TransportError as error:
-            raise UnreachableError(f"cannot reach LMCache's internal API at {self.url}: {error}",
-                                   hint="check that the engine runs with internal_api_server_enabled and the port "
-                                   "(worker r listens on port_start + 1 + r)") from None
-        text = response.text
-        try:
-            payload = json.loads(text) if text else None
-        except ValueError:
-            payload = text
-        if response.status_code == 404 and path.startswith(KVCTL_ROUTES) and _is_route_missing(payload):
-            raise RejectedError(f"{self.url} has no kvctl routes (HTTP 404 for {path})",
-                                hint="start the engine with kvctl's plugins: kvctl serve, or "
-                                "kv_connector_module_path=kvctl_plugins.vllm_connector")
-        if 400 <= response.status_code < 500:
-            raise RejectedError(f"{self.url} rejected {method} {path}: {_message(payload)}",
-                                hint="check the request; the server's message says what it wants")
-        if response.status_code >= 500:
-            raise ServerError(f"{self.url} failed {method} {path} (HTTP {response.status_code}): {_message(payload)}",
-                              hint="check the engine's log")
-        return payload
 
     # -- stock LMCache endpoints -------------------------------------------------------------------
 
@@ -116,15 +90,4 @@ class InternalAPIClient(HTTPClient):
 
     def prefetch(self, tokens: list[int]) -> dict[str, Any]:
         return self.request("POST", f"{KVCTL_ROUTES}/prefetch", {"tokens": tokens})
-
-
-def _message(payload: Any) -> str:
-    if isinstance(payload, dict):
-        return str(payload.get("message") or payload.get("detail") or payload.get("error") or payload)
-    return str(payload)[:300]
-
-
-def _is_route_missing(payload: Any) -> bool:
-    """FastAPI's own 404 for an unknown path, as opposed to a kvctl route's not_found answer."""
-    return isinstance(payload, dict) and payload.get("detail") == "Not Found"
 
