@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from kvctl.core.errors import ExitCode, UsageError
+from kvctl.core.errors import ExitCode, KvctlError, UsageError
 from kvctl.output import Table, escape
 
 PromptFile = Annotated[str | None, typer.Option("--prompt-file", help="UTF-8 text sent as a completion prompt "
@@ -115,13 +115,13 @@ def lookup(
     out = ctx.obj
     if config is None:
         instance, config, vllm_url = instance_target(instance, state, vllm_url)
-    if instance and not offline:
+    if instance and not offline and config is None:
         result = live_lookup(instance, prompt_file, chat, tokens_file, model, vllm_url)
     else:
         if offline and config is None:
             raise UsageError("--offline reads the tiers named in a configuration", hint="pass --config DIR")
-        result = offline_lookup(out, prompt_file, chat, tokens_file, model, config, kv_dtype, world_size, hash_seed,
-                                vllm_url)
+        result = store_lookup(out, prompt_file, chat, tokens_file, model, config, kv_dtype, world_size, hash_seed,
+                              vllm_url, None if offline else instance)
     out.emit(result.as_dict(), render_lookup(result))
     for tier, message in result.errors.items():
         out.error(f"{tier} tier: {message}")
@@ -131,7 +131,11 @@ def lookup(
 
 def instance_target(instance: str | None, state: Path | None,
                     vllm_url: str | None) -> tuple[str | None, Path | None, str | None]:
-    """(worker URL, config dir, vLLM URL) for --instance URL, --instance NAME, or a kvctl serve state file."""
+    """(server URL, config dir, vLLM URL) for --instance URL, --instance NAME, or a kvctl serve state file.
+
+    In-process: worker 0's internal API and no config (the engine knows its own tiers). MP: the
+    lmcache server's HTTP URL (its L1) and the config dir (the L2 stores kvctl reads directly).
+    """
     from kvctl.core.launch import is_url, read_state
 
     if instance and is_url(instance):
@@ -141,22 +145,32 @@ def instance_target(instance: str | None, state: Path | None,
     vllm_url = vllm_url or endpoints.get("vllm")
     if recorded["mode"] == "inprocess":
         return endpoints["internal_api"][1], None, vllm_url
-    return None, Path(recorded["config_dir"]), vllm_url
+    return endpoints.get("mp_http"), Path(recorded["config_dir"]), vllm_url
 
 
-def offline_lookup(out, prompt_file, chat, tokens_file, model, config, kv_dtype, world_size, hash_seed, vllm_url):
+def store_lookup(out, prompt_file, chat, tokens_file, model, config, kv_dtype, world_size, hash_seed, vllm_url,
+                 instance: str | None = None):
+    """The tiers a configuration names, read directly; in MP mode with the server's URL, its L1 too
+    (an in-process instance answers for every tier itself)."""
+    from kvctl.core.target import MP_L1_UNCHECKED
+
     target = resolve(config, model, kv_dtype, world_size, hash_seed)
+    if instance and target.mode != "mp":
+        return live_lookup(instance, prompt_file, chat, tokens_file, model, vllm_url)
     token_ids = load_tokens(prompt_file, chat, tokens_file, target.model_dir, vllm_url, target.recipe.model_name)
     for note in target.notes:
-        out.info(f"note: {note}")
-    return run_offline(token_ids, target)
+        if not (instance and note == MP_L1_UNCHECKED):
+            out.info(f"note: {note}")
+    return read_tiers(token_ids, target, instance)
 
 
-def run_offline(token_ids: list[int], target):
-    """Look tokens up in the stores of a target, reading them directly (clients closed afterwards)."""
+def read_tiers(token_ids: list[int], target, mp_url: str | None = None):
+    """Look tokens up in the stores of a target, reading them directly (clients closed afterwards),
+    joined by the MP server's L1 answer when its URL is known."""
     from kvctl.clients.stores import open_store
     from kvctl.core.lookup import lookup as run_lookup
 
+    presence, errors = mp_l1_presence(mp_url, token_ids, target) if mp_url and target.mode == "mp" else ({}, {})
     with ExitStack() as stack:
         def open_source(store):
             source = open_store(store)
@@ -164,7 +178,21 @@ def run_offline(token_ids: list[int], target):
                 stack.callback(source.close)
             return source
 
-        return run_lookup(token_ids, target, open_source)
+        return run_lookup(token_ids, target, open_source, presence, errors)
+
+
+def mp_l1_presence(url: str, token_ids: list[int], target) -> tuple[dict[str, list[bool]], dict[str, str]]:
+    """({"cpu": per-chunk flags}, {}) from the MP server's kvctl lookup route, or ({}, {"cpu": why not})."""
+    from kvctl.clients.mp_server import MPServerClient
+    from kvctl.core.lookup import l1_presence
+
+    recipe = target.recipe
+    try:
+        with MPServerClient(url) as server:
+            answer = server.lookup(token_ids, recipe.model_name, recipe.world_size, recipe.cache_salt)
+        return {"cpu": l1_presence(answer, token_ids, recipe)}, {}
+    except KvctlError as error:
+        return {}, {"cpu": error.message}
 
 
 def live_lookup(instance: str, prompt_file, chat, tokens_file, model, vllm_url):
@@ -174,6 +202,9 @@ def live_lookup(instance: str, prompt_file, chat, tokens_file, model, vllm_url):
 
     with InternalAPIClient(instance) as worker:
         info = worker.info()
+        if info.get("engine") == "mp":
+            raise UsageError(f"{instance} is an LMCache MP server: its lookup joins the L2 tiers of its configuration",
+                             hint="pass --config with the server's configuration directory too")
         model_dir = model or (info["model"] if Path(info["model"]).is_dir() else None)
         token_ids = load_tokens(prompt_file, chat, tokens_file, model_dir, vllm_url, info["model"])
         answers = [worker.lookup(token_ids)]

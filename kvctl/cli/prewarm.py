@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from kvctl.cli.lookup import instance_target, run_offline
+from kvctl.cli.lookup import instance_target, read_tiers
 from kvctl.cli.options import PrefetchTier
 from kvctl.core.errors import ExitCode, KvctlError, UsageError
 from kvctl.output import Table
@@ -80,7 +80,7 @@ def _prefetch(out, vllm, model, items, instance, config):
     from kvctl.clients.internal_api import InternalAPIClient
     from kvctl.core.prewarm import Outcome
 
-    if instance is None:
+    if instance is None or config is not None:
         raise UsageError("--from-tier needs an in-process instance with kvctl's routes",
                          hint="MP mode prefetches on its own when vLLM looks a prompt up; use plain prewarm there")
     outcomes = []
@@ -107,7 +107,7 @@ SETTLE_S = 10.0
 def _settled(token_ids, instance, config, model):
     """What is cached once the server's asynchronous writes have landed: MP servers write L2 after
     answering, so an offline lookup is repeated (up to SETTLE_S) until every chunk shows up."""
-    deadline = time.monotonic() + (0 if instance else SETTLE_S)
+    deadline = time.monotonic() + (0 if instance and config is None else SETTLE_S)
     while True:
         cached = _cached(token_ids, instance, config, model)
         if cached["cached_chunks"] == cached["chunks"] or time.monotonic() >= deadline:
@@ -117,7 +117,7 @@ def _settled(token_ids, instance, config, model):
 
 def _cached(token_ids, instance, config, model):
     """Chunks of the prompt now cached and where, from the same lookup `kvctl lookup` does."""
-    if instance:
+    if instance and config is None:
         from kvctl.clients.internal_api import InternalAPIClient
 
         with InternalAPIClient(instance) as worker:
@@ -127,7 +127,7 @@ def _cached(token_ids, instance, config, model):
     else:
         from kvctl.core.target import target_from_config
 
-        result = run_offline(token_ids, target_from_config(config, model, "bfloat16"))
+        result = read_tiers(token_ids, target_from_config(config, model, "bfloat16"), instance)
         chunks = [{"tiers": chunk.tiers} for chunk in result.chunks]
         hit = result.hit_tokens["total"]
     tiers = sorted({tier for chunk in chunks for tier in chunk["tiers"]}, key=("cpu", "disk", "redis").index)

@@ -33,6 +33,9 @@ LOOPBACK = "127.0.0.1"
 QUIET_ENV = {"LMCACHE_DISABLE_BANNER": "1", "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1",
              "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
+# kvctl's /kvctl/v1 routes on the MP server's HTTP app, through the server's own extension flag.
+MP_ROUTES_ARGV = ["--server-module", json.dumps({"module_path": "kvctl_plugins.mp_routes"})]
+
 
 @dataclass
 class Readiness:
@@ -144,7 +147,7 @@ def build_plan(*, name: str = "default", model: str | None, mode: str = "inproce
     if mode == "mp":
         http = f"http://{lmcache_values.get('http_host', LOOPBACK)}:{lmcache_values.get('http_port', mp_http_port)}"
         components.append(Component("lmcache-server", [sys.executable, "-m", "lmcache.v1.multiprocess.http_server",
-                                                       *mp_server_argv(lmcache_values)],
+                                                       *mp_server_argv(lmcache_values), *MP_ROUTES_ARGV],
                                     env, str(logs / "lmcache-server.log"),
                                     [Readiness("http", f"{http}/healthcheck", "LMCache MP server")]))
         endpoints["mp_http"] = http

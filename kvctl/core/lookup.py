@@ -127,14 +127,16 @@ def prefix_chunks(flags: list[bool]) -> int:
 # -- the lookup ---------------------------------------------------------------------------------
 
 
-def lookup(tokens: Sequence[int], target: Target, open_source: Callable[[Store], Source]) -> LookupResult:
+def lookup(tokens: Sequence[int], target: Target, open_source: Callable[[Store], Source],
+           presence: dict[str, list[bool]] | None = None, errors: dict[str, str] | None = None) -> LookupResult:
+    """`presence` and `errors` carry what a live server already answered (the MP server's L1)."""
     recipe = target.recipe
     save_unfull = getattr(recipe, "save_unfull_chunk", False)
     bounds = chunk_bounds(len(tokens), recipe.chunk_size, save_unfull)
     keys = display_keys(target, tokens)
     chunks = [Chunk(i, start, end, key) for i, ((start, end), key) in enumerate(zip(bounds, keys))]
-    presence: dict[str, list[bool]] = {}
-    errors: dict[str, str] = {}
+    presence = dict(presence or {})
+    errors = dict(errors or {})
     sources: dict[str, Source] = {}
     for store in target.stores:
         try:
@@ -179,6 +181,20 @@ def from_engine_answers(info: dict[str, Any], answers: list[dict[str, Any]]) -> 
     hit_tokens["total"] = sum(sizes[:lmcache_hit_chunks(presence)])
     return LookupResult(info["model"], "inprocess", info["chunk_size"], first["prompt_tokens"], chunks, hit_tokens,
                         tiers_checked)
+
+
+def l1_presence(answer: dict[str, Any], tokens: Sequence[int], recipe: MPKeyRecipe) -> list[bool]:
+    """Per chunk, whether the MP server's L1 holds it, from its /kvctl/v1/lookup answer; refused when
+    the server's keys are not the ones this recipe makes (another chunk size or hash algorithm)."""
+    expected = mp_object_keys(tokens, recipe)
+    answered = answer["chunks"]
+    if len(answered) != len(expected) or any(key.encoded() not in chunk["keys"]
+                                             for ranks, chunk in zip(expected, answered) for key in ranks):
+        raise KvctlError(f"the MP server makes other chunk keys than the configuration (server: chunk size "
+                         f"{answer['chunk_size']}, {answer['hash_algorithm']}; configuration: chunk size "
+                         f"{recipe.chunk_size}, {recipe.hash_algorithm})",
+                         hint="pass --config with the configuration the server runs with")
+    return ["cpu" in chunk["tiers"] for chunk in answered]
 
 
 # -- diagnosis ----------------------------------------------------------------------------------

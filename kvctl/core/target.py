@@ -34,6 +34,10 @@ REDIS_PATTERNS = {"lmcache-redis": "*@*@*@*@*metadata", "mp-resp": "*@*@*@*"}
 REDIS_SUFFIXES = {"lmcache-redis": "metadata", "mp-resp": ""}
 
 
+MP_L1_UNCHECKED = ("the MP server's L1 (cpu) tier is seen only through the running server (kvctl's routes, "
+                   "--instance); it is not checked")
+
+
 @dataclass(frozen=True)
 class Store:
     """One place chunks live: `tier` as users say it, `layout` as LMCache writes it."""
@@ -154,5 +158,5 @@ def _mp_stores(values: dict[str, Any]) -> tuple[list[Store], list[str]]:
                 adapter.get("password") or None)))
         else:
             notes.append(f"the {adapter.get('type')} L2 adapter is not one kvctl reads directly")
-    notes.append("the MP server's L1 (cpu) tier has no side-effect-free lookup in LMCache 0.5.6; it is not checked")
+    notes.append(MP_L1_UNCHECKED)
     return stores, notes
