@@ -54,6 +54,22 @@ class Output:
         for item in tables:
             console.print(item if isinstance(item, str) else item.render())
 
+    def watch(self, frame: Callable[[], tuple[Any, list[Table | str]]], interval: float) -> None:
+        """Redraw `frame()`'s tables in place every `interval` seconds until Ctrl-C (a terminal view)."""
+        import time
+
+        from rich.console import Group
+        from rich.live import Live
+
+        def renderable():
+            _payload, items = frame()
+            return Group(*(item if isinstance(item, str) else item.render() for item in items))
+
+        with Live(renderable(), console=self._console(err=False), auto_refresh=False, screen=False) as live:
+            while True:
+                time.sleep(interval)
+                live.update(renderable(), refresh=True)
+
     def text(self, text: str) -> None:
         """Raw data for stdout that is not a table (a generated script, a key list)."""
         sys.stdout.write(text if text.endswith("\n") else text + "\n")

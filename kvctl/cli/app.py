@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from kvctl.cli import cache, completion, config, lookup, model, prewarm, serve, version
+from kvctl.cli import cache, completion, config, lookup, model, observe, prewarm, serve, version
 from kvctl.core.errors import EXIT_CODE_MEANINGS, ExitCode, KvctlError
 from kvctl.cli.options import OutputFormat
 from kvctl.output import Output
@@ -35,6 +35,9 @@ app.command("pin")(cache.pin)
 app.command("unpin")(cache.unpin)
 app.command("pins")(cache.pins)
 app.command("evict")(cache.evict)
+app.command("health")(observe.health)
+app.command("stats")(observe.stats)
+app.command("top")(observe.top)
 app.command("version")(version.version)
 app.add_typer(model.app, name="model")
 app.add_typer(completion.app, name="completion")

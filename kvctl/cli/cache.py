@@ -20,6 +20,7 @@ from kvctl.cli.lookup import (
     instance_target,
     load_tokens,
 )
+from kvctl.cli.observe import FleetInstance, InventoryOption, report_errors
 from kvctl.cli.options import Tier
 from kvctl.core.errors import ExitCode, UsageError
 from kvctl.output import Table
@@ -68,35 +69,46 @@ def ls(
                                               "--model).")] = None,
     limit: Annotated[int, typer.Option("--limit", min=1, help="At most this many chunks listed per tier (totals "
                                        "count them all).")] = 100,
-    config: ConfigOption = None, instance: InstanceOption = None, state: StateOption = None,
+    config: ConfigOption = None, instance: FleetInstance = None, state: StateOption = None,
+    inventory: InventoryOption = None,
 ) -> None:
     """List cached chunks per tier: key, size, pin state, age where known; totals per tier.
 
     A running in-process instance answers for its CPU and disk tiers (pins included); Redis, and the
-    disk directory of a --config with no instance, are read directly.
+    disk directory of a --config with no instance, are read directly. With --instance all, every
+    instance of the inventory is listed ({"instances": [...]} in JSON).
     """
+    from kvctl.core import instances as fleet
     from kvctl.core import listing
 
     selected = tier_names(tier)
-    if config is None:
-        worker_url, config, _vllm_url = instance_target(instance, state, None)
-    else:
-        worker_url = None
-    if worker_url is not None:
-        from kvctl.clients.internal_api import InternalAPIClient
-
-        with InternalAPIClient(worker_url) as worker:
-            result = listing.collect(listing.engine_listers(worker, selected, limit, model))
-    else:
+    out = ctx.obj
+    if config is not None:
         from kvctl.core.target import read_deployment
 
-        stores = [store for store in read_deployment(config).stores
-                  if not selected or "all" in selected or store.tier in selected]
-        result = listing.collect({store.tier: listing.store_lister(store, limit, model) for store in stores})
-    render_listing(ctx.obj, result)
+        render_listing(out, listing.list_stores(read_deployment(config).stores, selected, limit, model))
+        return
+    targets = fleet.resolve(instance, state, inventory)
+    if instance != "all":
+        render_listing(out, listing.list_instance(targets[0], selected, limit, model))
+        return
+    outcomes = fleet.fan_out(targets, lambda target: listing.list_instance(target, selected, limit, model))
+    reports, items = [], []
+    for outcome in outcomes:
+        found = outcome.result
+        if found:
+            reports.append({"instance": outcome.instance, **found.as_dict()})
+            items.extend(_listing_tables(found, title=outcome.instance))
+        else:
+            reports.append({"instance": outcome.instance, "tiers": [], "errors": {"instance": outcome.error},
+                            "hint": outcome.hint})
+    out.emit({"instances": reports}, items)
+    report_errors(out, reports)
+    code = fleet.fleet_exit_code(outcomes)
+    raise typer.Exit(ExitCode.PARTIAL if code == ExitCode.OK and any(r["errors"] for r in reports) else code)
 
 
-def render_listing(out, result) -> None:
+def _listing_tables(result, title: str | None = None) -> list:
     rows = []
     for tier in result.tiers:
         for chunk in tier.chunks:
@@ -105,11 +117,15 @@ def render_listing(out, result) -> None:
             rows.append((tier.tier, chunk.key, "" if chunk.size is None else chunk.size, pinned, age))
     totals = "; ".join(f"{t.tier}: {t.total} chunks" + (f" ({len(t.chunks)} listed)" if len(t.chunks) < t.total else "")
                        for t in result.tiers)
-    out.emit(result.as_dict(), [Table(["tier", "key", "bytes", "pinned", "age"], rows, caption=totals or "no tiers")])
+    return [Table(["tier", "key", "bytes", "pinned", "age"], rows, title=title, caption=totals or "no tiers")]
+
+
+def render_listing(out, result) -> None:
+    out.emit(result.as_dict(), _listing_tables(result))
     for tier, message in result.errors.items():
         out.error(f"{tier} tier: {message}")
     if result.errors:
-        raise typer.Exit(ExitCode.PARTIAL if result.tiers else ExitCode.UNREACHABLE)
+        raise typer.Exit(ExitCode.PARTIAL if result.tiers else result.failure_code)
 
 
 def pin(

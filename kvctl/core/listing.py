@@ -126,6 +126,7 @@ def _glob_escape(text: str) -> str:
 class Listing:
     tiers: list[TierListing]
     errors: dict[str, str] = field(default_factory=dict)  # tier -> why it could not be listed
+    failure_code: int | None = None  # the exit code of the last failure, for when nothing could be listed
 
     def as_dict(self) -> dict[str, Any]:
         return {"tiers": [tier.as_dict() for tier in self.tiers], "errors": self.errors}
@@ -141,6 +142,7 @@ def collect(listers: dict[str, Any]) -> Listing:
             listing.tiers.append(lister())
         except KvctlError as error:
             listing.errors[tier] = error.message
+            listing.failure_code = error.exit_code
     return listing
 
 
@@ -197,3 +199,19 @@ def evict_from_instance(worker, *, tiers: list[str] | None, everything: bool, dr
         result["skipped_pinned"]["redis"] = 0
         result["chunks"].extend({"tier": "redis", "key": key} for key in keys)
     return result
+
+
+def list_stores(stores: list[Store], tiers: list[str] | None, limit: int, model: str | None) -> Listing:
+    chosen = [store for store in stores if not tiers or "all" in tiers or store.tier in tiers]
+    return collect({store.tier: store_lister(store, limit, model) for store in chosen})
+
+
+def list_instance(instance, tiers: list[str] | None, limit: int, model: str | None) -> Listing:
+    """A running instance's tiers: through its engine's routes (in-process), or its configuration's stores."""
+    from kvctl.clients.internal_api import InternalAPIClient
+    from kvctl.core.target import read_deployment
+
+    if instance.worker:
+        with InternalAPIClient(instance.worker) as worker:
+            return collect(engine_listers(worker, tiers, limit, model))
+    return list_stores(read_deployment(instance.config_dir).stores, tiers, limit, model)

@@ -15,6 +15,12 @@ def cache_dir() -> Path:
     return Path(base) / "kvctl"
 
 
+def config_home() -> Path:
+    """$XDG_CONFIG_HOME/kvctl, else ~/.config/kvctl (where a user-wide kvctl.yaml inventory lives)."""
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "kvctl"
+
+
 def models_dir() -> Path:
     return cache_dir() / "models"
 

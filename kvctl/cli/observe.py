@@ -1,0 +1,163 @@
+"""`kvctl health`, `stats`, `top`: is every component up, and what do the caches do — for one
+instance or a fleet (`--instance all` with a kvctl.yaml inventory)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from kvctl.core.errors import ExitCode
+from kvctl.output import Table
+
+FleetInstance = Annotated[str | None, typer.Option(
+    "--instance", help="'all' (every instance of the inventory), an inventory or 'kvctl serve --name' name, or the "
+    "internal API URL of worker 0 (default: the most recent kvctl serve).")]
+StateOption = Annotated[Path | None, typer.Option("--state", help="The state file of a 'kvctl serve'.")]
+InventoryOption = Annotated[Path | None, typer.Option(
+    "--inventory", help="A kvctl.yaml fleet inventory (default: $KVCTL_INVENTORY, ./kvctl.yaml, "
+    "~/.config/kvctl/kvctl.yaml).")]
+TimeoutOption = Annotated[float, typer.Option("--timeout", min=0.1, help="Seconds each instance gets.")]
+
+
+def health(ctx: typer.Context, instance: FleetInstance = None, state: StateOption = None,
+           inventory: InventoryOption = None, timeout: TimeoutOption = 10.0) -> None:
+    """Check every component (vLLM, internal API servers, offload socket, MP server, Redis, disk) with latency.
+
+    Exit code for probes: 0 all healthy, 3 nothing answers, 6 some components down.
+    """
+    payload, items, code = health_frame(instance, state, inventory, timeout)
+    ctx.obj.emit(payload, items)
+    raise typer.Exit(code)
+
+
+def health_frame(instance, state, inventory, timeout) -> tuple[dict[str, Any], list, ExitCode]:
+    from kvctl.core import instances as fleet
+    from kvctl.core.observe import Check, checks_as_dicts, health_exit_code, instance_health
+
+    targets = fleet.resolve(instance, state, inventory)
+    redis = fleet.shared_redis(inventory)
+    outcomes = fleet.fan_out(targets, lambda target: instance_health(target, redis), timeout)
+    every_check: list[Check] = []
+    reports, rows = [], []
+    for outcome in outcomes:
+        checks = outcome.result or [Check("instance", outcome.instance, False, None, outcome.error or "no answer")]
+        every_check.extend(checks)
+        reports.append({"instance": outcome.instance, "healthy": all(c.ok for c in checks),
+                        "checks": checks_as_dicts(checks)})
+        rows.extend((outcome.instance, c.component, c.target, "ok" if c.ok else "DOWN",
+                     "" if c.latency_ms is None else f"{c.latency_ms:.1f}", c.detail) for c in checks)
+    code = health_exit_code(every_check)
+    payload = {"healthy": code == ExitCode.OK, "instances": reports}
+    return payload, [Table(["instance", "component", "target", "status", "ms", "detail"], rows)], code
+
+
+def stats(ctx: typer.Context, instance: FleetInstance = None, state: StateOption = None,
+          inventory: InventoryOption = None, timeout: TimeoutOption = 10.0) -> None:
+    """Hit rates (lookup vs retrieve, vLLM's prefix cache and LMCache's share), usage vs capacity per tier,
+    evictions and pins, from the servers' /metrics."""
+    payload, items, code = stats_frame(instance, state, inventory, timeout)
+    ctx.obj.emit(payload, items)
+    report_errors(ctx.obj, payload["instances"])
+    raise typer.Exit(code)
+
+
+def report_errors(out, reports: list[dict[str, Any]]) -> None:
+    """One stderr line per failure: `instance: what failed: why`, with the hint of a failed instance."""
+    for report in reports:
+        for where, message in (report.get("errors") or {}).items():
+            if where == "instance":
+                out.error(f"{report['instance']}: {message}", report.get("hint"))
+            else:
+                out.error(f"{report['instance']}: {where}: {message}")
+
+
+def stats_frame(instance, state, inventory, timeout) -> tuple[dict[str, Any], list, ExitCode]:
+    from kvctl.core import instances as fleet
+    from kvctl.core.observe import instance_stats
+
+    outcomes = fleet.fan_out(fleet.resolve(instance, state, inventory), instance_stats, timeout)
+    reports = [outcome.result or {"instance": outcome.instance, "errors": {"instance": outcome.error},
+                                  "hint": outcome.hint} for outcome in outcomes]
+    code = fleet.fleet_exit_code(outcomes)
+    if code == ExitCode.OK and any(report.get("errors") for report in reports):
+        code = ExitCode.PARTIAL
+    return {"instances": reports}, [item for report in reports for item in _stats_tables(report)], code
+
+
+def _stats_tables(report: dict[str, Any]) -> list:
+    name = report["instance"]
+    rows = []
+    lmcache, vllm = report.get("lmcache"), report.get("vllm")
+    if not (lmcache or vllm):
+        return []
+    if lmcache:
+        for kind in ("lookup", "retrieve"):
+            part = lmcache[kind]
+            rows.append((f"LMCache {kind} hit rate", _percent(part["hit_rate"]),
+                         f"{_number(part['hit_tokens'])} of {_number(part['tokens'])} tokens, "
+                         f"{_number(part['requests'])} requests"))
+        rows.append(("LMCache stored tokens", _number(lmcache["store"]["tokens"]),
+                     f"{_number(lmcache['store']['requests'])} store requests"))
+        evictions = lmcache["evictions"]
+        rows.append(("CPU evictions", _number(evictions["cpu"]), f"{_number(evictions['cpu_failed'])} failed"))
+        pins = lmcache["pins"]
+        rows.append(("pins", _number(pins["kvctl"]), f"kvctl pins; LMCache pinned objects "
+                     f"{_number(pins['pinned_objects'])}, forced unpins {_number(pins['forced_unpins'])}"))
+    if vllm:
+        for kind, label in (("prefix_cache", "vLLM prefix cache hit rate"),
+                            ("external_cache", "vLLM hit rate from LMCache")):
+            part = vllm[kind]
+            rows.append((label, _percent(part["hit_rate"]), f"{_number(part['hits'])} of {_number(part['queries'])} "
+                         "tokens"))
+        rows.append(("vLLM KV cache usage", _percent(vllm["kv_cache_usage"]),
+                     f"{_number(vllm['requests_running'])} running, {_number(vllm['requests_waiting'])} waiting"))
+    items: list = [Table(["metric", "value", "detail"], rows, title=f"{name} ({report.get('mode', '?')})")]
+    if lmcache and lmcache["tiers"]:
+        items.append(Table(["tier", "chunks", "used", "capacity", "usage"],
+                           [(t["tier"], _number(t["chunks"]), _bytes(t["used_bytes"]), _bytes(t["capacity_bytes"]),
+                             _percent(t["usage"])) for t in lmcache["tiers"]]))
+    return items
+
+
+def top(ctx: typer.Context, instance: FleetInstance = None, state: StateOption = None,
+        inventory: InventoryOption = None, timeout: TimeoutOption = 5.0,
+        interval: Annotated[float, typer.Option("--interval", min=0.2, help="Seconds between redraws.")] = 2.0,
+        once: Annotated[bool, typer.Option("--once", help="Print one frame and exit (JSON with "
+                                           "--format json).")] = False) -> None:
+    """A live view of health and stats that redraws in place (Ctrl-C to leave); --once exits like health."""
+    health_code = [ExitCode.OK]
+
+    def frame() -> tuple[dict[str, Any], list]:
+        health_payload, health_items, health_code[0] = health_frame(instance, state, inventory, timeout)
+        stats_payload, stats_items, _ = stats_frame(instance, state, inventory, timeout)
+        return {"health": health_payload, "stats": stats_payload}, [*health_items, *stats_items]
+
+    out = ctx.obj
+    if once or out.json:
+        payload, items = frame()
+        out.emit(payload, items)
+        raise typer.Exit(health_code[0])
+    try:
+        out.watch(frame, interval)
+    except KeyboardInterrupt:
+        return
+
+
+def _number(value) -> str:
+    return "-" if value is None else f"{value:,.0f}"
+
+
+def _percent(value) -> str:
+    return "-" if value is None else f"{100 * value:.1f} %"
+
+
+def _bytes(value) -> str:
+    if value is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
+        value /= 1024
+    return str(value)

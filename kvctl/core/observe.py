@@ -1,0 +1,246 @@
+"""`kvctl stats`, `health` and `top`: whether every component of an instance answers (and how fast),
+and what its servers' Prometheus metrics say about hits, usage, evictions and pins.
+
+LMCache exports `lmcache:*` metrics from each process that runs an engine (worker r's internal API
+server); vLLM exports `vllm:*` metrics on its OpenAI server. Both are parsed with prometheus_client.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvctl.core.errors import ExitCode, KvctlError, UnreachableError
+
+HEALTH_TIMEOUT_S = 5.0
+
+
+@dataclass
+class Check:
+    component: str  # "vllm", "internal_api[1]", "offload", "mp_server", "redis", "disk"
+    target: str  # URL, socket or path
+    ok: bool
+    latency_ms: float | None
+    detail: str
+
+
+def probe(component: str, target: str, check: Callable[[], Any]) -> Check:
+    """Run one check: what it returns, if text, is the detail; its exception (a kvctl error or an OS
+    error) is the failure's."""
+    start = time.perf_counter()
+    try:
+        answer = check()
+    except (KvctlError, OSError) as error:
+        return Check(component, target, False, None, getattr(error, "message", None) or str(error))
+    latency_ms = round((time.perf_counter() - start) * 1000, 2)
+    return Check(component, target, True, latency_ms, answer if isinstance(answer, str) else "ok")
+
+
+def health_exit_code(checks: list[Check]) -> ExitCode:
+    """0 when every component answers, 3 when none does, 6 when some do: usable as a probe."""
+    failed = sum(not check.ok for check in checks)
+    if not failed:
+        return ExitCode.OK
+    return ExitCode.UNREACHABLE if failed == len(checks) else ExitCode.PARTIAL
+
+
+def disk_writable(directory: str) -> str:
+    """Create and remove a file of kvctl's own in the tier's directory (nothing else is touched)."""
+    with tempfile.NamedTemporaryFile(dir=directory, prefix=".kvctl-health-"):
+        pass
+    usage = os.statvfs(directory)
+    return f"writable, {usage.f_bavail * usage.f_frsize / 1024**3:.1f} GiB free"
+
+
+def redis_ping(url) -> str:
+    from kvctl.clients.redis_tier import RedisTier
+
+    with RedisTier(url) as redis:
+        redis.exists(["kvctl-health"])
+    return "answers"
+
+
+# -- metrics -----------------------------------------------------------------------------------------
+
+
+Samples = dict[str, list[tuple[dict[str, str], float]]]
+
+
+def parse_metrics(text: str) -> Samples:
+    """Prometheus text → sample name (counters without `_total`) → [(labels, value)]."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith(("_created", "_bucket")):
+                continue
+            name = sample.name.removesuffix("_total") if family.type == "counter" else sample.name
+            samples.setdefault(name, []).append((sample.labels, sample.value))
+    return samples
+
+
+def metric(samples: Samples, name: str, **labels: str) -> float | None:
+    """The sum over the label sets that match (None when the server does not export it)."""
+    values = [value for found, value in samples.get(name, []) if all(found.get(k) == v for k, v in labels.items())]
+    return sum(values) if values else None
+
+
+def ratio(part: float | None, whole: float | None) -> float | None:
+    return round(part / whole, 4) if part is not None and whole else None
+
+
+def merge_samples(texts: list[str]) -> Samples:
+    merged: Samples = {}
+    for text in texts:
+        for name, values in parse_metrics(text).items():
+            merged.setdefault(name, []).extend(values)
+    return merged
+
+
+def lmcache_stats(samples: Samples, info: dict[str, Any] | None) -> dict[str, Any]:
+    """Hit rates (lookup vs retrieve), usage vs capacity per tier, evictions and pins of an engine."""
+    m = lambda name: metric(samples, f"lmcache:{name}")  # noqa: E731
+    lookup_tokens, lookup_hits = m("num_lookup_tokens"), m("num_lookup_hits")
+    requested, hit = m("num_requested_tokens"), m("num_hit_tokens")
+    tiers = []
+    usage_metric = {"cpu": "local_cache_usage", "disk": "local_storage_usage", "redis": "remote_cache_usage"}
+    for entry in (info or {}).get("tiers", []):
+        used = entry.get("used_bytes", m(usage_metric.get(entry["tier"], "")))
+        capacity = entry.get("capacity_bytes")
+        tiers.append({"tier": entry["tier"], "chunks": entry.get("keys"), "used_bytes": used,
+                      "capacity_bytes": capacity, "usage": ratio(used, capacity)})
+    return {
+        "lookup": {"requests": m("num_lookup_requests"), "tokens": lookup_tokens, "hit_tokens": lookup_hits,
+                   "hit_rate": ratio(lookup_hits, lookup_tokens)},
+        "retrieve": {"requests": m("num_retrieve_requests"), "tokens": requested, "hit_tokens": hit,
+                     "hit_rate": ratio(hit, requested)},
+        "store": {"requests": m("num_store_requests"), "tokens": m("num_stored_tokens")},
+        "tiers": tiers,
+        "evictions": {"cpu": m("local_cpu_evict_count"), "cpu_failed": m("local_cpu_evict_failed_count")},
+        "remote": {"read_requests": m("num_remote_read_requests"), "read_bytes": m("num_remote_read_bytes"),
+                   "write_requests": m("num_remote_write_requests"), "write_bytes": m("num_remote_write_bytes")},
+        "pins": {"kvctl": (info or {}).get("pins"), "pinned_objects": m("pinned_memory_objs_count"),
+                 "pin_monitor": m("pin_monitor_pinned_objects_count"), "forced_unpins": m("forced_unpin_count")},
+        "healthy": m("lmcache_is_healthy"),
+    }
+
+
+def vllm_stats(samples: Samples) -> dict[str, Any]:
+    """vLLM's own prefix cache and what the connector (LMCache) brought in."""
+    v = lambda name, **labels: metric(samples, f"vllm:{name}", **labels)  # noqa: E731
+    by_source = {labels.get("source", "?"): value for labels, value in samples.get("vllm:prompt_tokens_by_source", [])}
+    return {
+        "prefix_cache": {"queries": v("prefix_cache_queries"), "hits": v("prefix_cache_hits"),
+                         "hit_rate": ratio(v("prefix_cache_hits"), v("prefix_cache_queries"))},
+        "external_cache": {"queries": v("external_prefix_cache_queries"), "hits": v("external_prefix_cache_hits"),
+                           "hit_rate": ratio(v("external_prefix_cache_hits"), v("external_prefix_cache_queries"))},
+        "prompt_tokens": v("prompt_tokens"),
+        "prompt_tokens_by_source": by_source,
+        "kv_cache_usage": v("kv_cache_usage_perc"),
+        "requests_running": v("num_requests_running"),
+        "requests_waiting": v("num_requests_waiting"),
+    }
+
+
+def checks_as_dicts(checks: list[Check]) -> list[dict[str, Any]]:
+    return [asdict(check) for check in checks]
+
+
+# -- one instance ----------------------------------------------------------------------------------
+
+
+def instance_health(instance, shared_redis: str | None = None) -> list[Check]:
+    """One check per component of an instance: vLLM, each internal API server, the offload socket,
+    the MP server, and the disk and Redis tiers of its configuration."""
+    from kvctl.clients.internal_api import InternalAPIClient
+    from kvctl.clients.mp_server import MPServerClient
+    from kvctl.clients.offload import OffloadClient
+    from kvctl.clients.vllm import VLLMClient
+
+    checks = []
+    if instance.vllm:
+        checks.append(probe("vllm", instance.vllm, lambda: _call(VLLMClient(instance.vllm, HEALTH_TIMEOUT_S),
+                                                                  VLLMClient.health)))
+    for index, url in enumerate(instance.internal_api):
+        role = "scheduler" if index == 0 and len(instance.internal_api) > 1 else f"worker {max(0, index - 1)}"
+        checks.append(probe(f"internal_api ({role})", url, lambda url=url: _call(
+            InternalAPIClient(url, HEALTH_TIMEOUT_S), lambda c: f"LMCache {c.version()}")))
+    if instance.offload_socket:
+        checks.append(probe("offload", instance.offload_socket,
+                            OffloadClient(instance.offload_socket, HEALTH_TIMEOUT_S).health))
+    if instance.mp_http:
+        checks.append(probe("mp_server", instance.mp_http, lambda: _call(
+            MPServerClient(instance.mp_http, HEALTH_TIMEOUT_S), MPServerClient.healthcheck)))
+    for store in _stores(instance, shared_redis):
+        if store.tier == "disk":
+            for directory in store.directories:
+                checks.append(probe("disk", directory, lambda directory=directory: disk_writable(directory)))
+        elif store.redis is not None:
+            checks.append(probe("redis", store.redis.url(redact=True), lambda store=store: redis_ping(store.redis)))
+    return checks
+
+
+def _call(client, use):
+    with client:
+        return use(client)
+
+
+def _stores(instance, shared_redis: str | None) -> list:
+    """The disk and Redis stores of an instance: from its configuration directory, else from the engine."""
+    from kvctl.core.listing import engine_redis_store
+    from kvctl.core.target import Store, read_deployment
+    from kvctl.core.tiers import parse_redis_url
+
+    stores = []
+    if instance.config_dir:
+        stores = read_deployment(instance.config_dir).stores
+    elif instance.worker:
+        from kvctl.clients.internal_api import InternalAPIClient
+
+        try:
+            with InternalAPIClient(instance.worker, HEALTH_TIMEOUT_S) as worker:
+                tiers = {entry["tier"]: entry for entry in worker.info()["tiers"]}
+                if "disk" in tiers:
+                    stores.append(Store("disk", "lmcache-disk", (tiers["disk"]["path"],)))
+                if "redis" in tiers:
+                    stores.append(engine_redis_store(worker))
+        except KvctlError:
+            return []  # the worker's own check reports it
+    if shared_redis and not any(store.tier == "redis" for store in stores):
+        stores.append(Store("redis", "lmcache-redis", redis=parse_redis_url(shared_redis)))
+    return stores
+
+
+def instance_stats(instance) -> dict[str, Any]:
+    """Stats of one instance; a server that does not answer is named in `errors`, the rest still count."""
+    from kvctl.clients.internal_api import InternalAPIClient
+    from kvctl.clients.vllm import VLLMClient
+
+    errors: dict[str, str] = {}
+    texts, info = [], None
+    for index, url in enumerate(instance.internal_api[1:] or instance.internal_api):
+        try:
+            with InternalAPIClient(url) as worker:
+                info = worker.info() if index == 0 else info
+                texts.append(worker.metrics())
+        except KvctlError as error:
+            errors[f"internal_api ({url})"] = error.message
+    stats: dict[str, Any] = {"instance": instance.name, "mode": instance.mode}
+    if texts:
+        stats["lmcache"] = lmcache_stats(merge_samples(texts), info)
+    if instance.vllm:
+        try:
+            with VLLMClient(instance.vllm) as vllm:
+                stats["vllm"] = vllm_stats(parse_metrics(vllm.request("GET", "/metrics")))
+        except KvctlError as error:
+            errors["vllm"] = error.message
+    stats["errors"] = errors
+    if errors and not texts and "vllm" not in stats:
+        raise UnreachableError("nothing answered: " + "; ".join(errors.values()),
+                               hint="check that the instance runs: kvctl health")
+    return stats

@@ -1,0 +1,140 @@
+"""`kvctl health`, `stats`, `top`, `ls` on one instance and on a fleet (two real LMCache engines sharing one
+real redis-server, plus members that are down or hang), and the fault matrix's exit codes."""
+
+import json
+import socket
+
+import pytest
+
+from tests.conftest import RedisStarter
+from tests.helpers import free_port, http_json, run_kvctl, start_standalone_engine, stop_process, wait_until
+
+CHUNK = 256
+
+
+def start_engine(root, name, redis_url):
+    port_start = free_port()
+    config = root / name / "cfg"
+    init = run_kvctl("config", "init", "--out", config, "--tier", "cpu:0.05", "--tier", f"disk:{root / name}/disk:1",
+                     "--tier", redis_url, "--internal-api-port-start", port_start)
+    assert init.code == 0, init.stderr
+    log = root / name / "engine.log"
+    proc = start_standalone_engine(config, log)
+    url = f"http://127.0.0.1:{port_start + 1}"
+    wait_until(lambda: http_json("GET", f"{url}/lmc_version"), 120, f"engine {name}", proc, log)
+    return proc, url
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fleet")
+    redis = RedisStarter(root)
+    server = redis()
+    procs = []
+    try:
+        urls = {}
+        for name in ("a", "b"):
+            proc, urls[name] = start_engine(root, name, server.url)
+            procs.append(proc)
+        hung = socket.socket()  # accepts connections and never answers: a member that times out
+        hung.bind(("127.0.0.1", free_port(1)))
+        hung.listen(8)
+        inventory = root / "kvctl.yaml"
+        inventory.write_text(
+            "instances:\n"
+            f"  a: {{internal_api: {urls['a']}}}\n"
+            f"  b: {{internal_api: {urls['b']}}}\n"
+            f"  down: {{internal_api: http://127.0.0.1:{free_port(1)}}}\n"
+            f"redis: {server.url}\n")
+        healthy = root / "healthy.yaml"
+        healthy.write_text("\n".join(inventory.read_text().splitlines()[:3]) + "\n")
+        yield {"urls": urls, "inventory": inventory, "healthy": healthy, "redis": server, "root": root,
+               "hung": f"http://127.0.0.1:{hung.getsockname()[1]}"}
+        hung.close()
+    finally:
+        for proc in procs:
+            stop_process(proc, grace=2)  # LMCache 0.5.6 never exits on SIGTERM with a redis:// tier
+        redis.stop_all()
+
+
+def kvctl(*args):
+    result = run_kvctl(*args, "--format", "json")
+    assert "Traceback" not in result.stderr
+    return result, (json.loads(result.stdout) if result.stdout.strip() else None)
+
+
+@pytest.mark.slow
+def test_health_checks_every_component_of_an_instance(fleet):
+    result, report = kvctl("health", "--instance", fleet["urls"]["a"])
+    assert result.code == 0, result.stderr
+    (instance,) = report["instances"]
+    checks = {check["component"]: check for check in instance["checks"]}
+    assert set(checks) == {"internal_api (worker 0)", "disk", "redis"}
+    assert all(check["ok"] and check["latency_ms"] > 0 for check in checks.values())
+    assert checks["internal_api (worker 0)"]["detail"] == "LMCache 0.5.6"
+    assert checks["disk"]["target"].endswith("a/disk/") and "writable" in checks["disk"]["detail"]
+    assert not list((fleet["root"] / "a" / "disk").glob(".kvctl-health-*"))  # its probe file is gone
+
+
+@pytest.mark.slow
+def test_stats_count_stores_and_retrieves_from_metrics(fleet):
+    url = fleet["urls"]["a"]
+    http_json("POST", f"{url}/cache/store", params={"tokens_mock": f"0,{2 * CHUNK}"})
+    http_json("POST", f"{url}/cache/retrieve", params={"tokens_mock": f"0,{2 * CHUNK}"})
+
+    def stats():
+        result, report = kvctl("stats", "--instance", url)
+        assert result.code == 0, result.stderr
+        return report["instances"][0]["lmcache"]
+
+    wait_until(lambda: (stats()["store"]["tokens"] or 0) >= 2 * CHUNK and (stats()["retrieve"]["tokens"] or 0) > 0,
+               60, "store and retrieve counted in /metrics")
+    lmcache = stats()
+    assert lmcache["retrieve"]["hit_rate"] == 1.0
+    tiers = {tier["tier"]: tier for tier in lmcache["tiers"]}
+    assert tiers["cpu"]["chunks"] >= 2 and 0 < tiers["cpu"]["usage"] < 1
+    assert tiers["cpu"]["capacity_bytes"] == int(0.05 * 1024**3)
+    top, frame = kvctl("top", "--once", "--instance", url)
+    assert top.code == 0 and frame["health"]["healthy"] and frame["stats"]["instances"][0]["lmcache"]
+
+
+@pytest.mark.slow
+def test_fleet_fan_out_names_the_members_that_fail(fleet):
+    result, report = kvctl("health", "--instance", "all", "--inventory", fleet["inventory"])
+    assert result.code == 6
+    healthy = {instance["instance"]: instance["healthy"] for instance in report["instances"]}
+    assert healthy == {"a": True, "b": True, "down": False}
+    result, report = kvctl("stats", "--instance", "all", "--inventory", fleet["inventory"])
+    assert result.code == 6 and "down:" in result.stderr
+    assert {r["instance"] for r in report["instances"] if "lmcache" in r} == {"a", "b"}
+    result, report = kvctl("health", "--instance", "all", "--inventory", fleet["healthy"])
+    assert result.code == 0 and len(report["instances"]) == 2
+    result, report = kvctl("ls", "--instance", "all", "--inventory", fleet["healthy"], "--tier", "cpu")
+    assert result.code == 0 and [r["instance"] for r in report["instances"]] == ["a", "b"]
+    result, _ = kvctl("health", "--instance", "all")
+    assert result.code == 2 and "needs an inventory" in result.stderr
+
+
+@pytest.mark.slow
+def test_faults_give_documented_exit_codes(fleet, tmp_path):
+    result, report = kvctl("health", "--instance", fleet["hung"], "--timeout", "20")
+    assert result.code == 3 and "in time" in report["instances"][0]["checks"][0]["detail"]
+    result, _ = kvctl("stats", "--instance", "http://127.0.0.1:1")
+    assert result.code == 3 and "hint:" in result.stderr
+
+    locked = RedisStarter(tmp_path)
+    server = locked(password="secret")
+    config = tmp_path / "cfg"
+    run_kvctl("config", "init", "--out", config, "--tier", "cpu:0.05", "--tier", f"redis://127.0.0.1:{server.port}")
+    result, _ = kvctl("ls", "--config", config)
+    assert result.code == 4 and "credentials" in result.stderr  # Redis auth failure: rejected
+    locked.stop_all()
+
+    fleet["redis"].client().shutdown(nosave=True)  # the shared Redis goes down; the engines stay up
+    result, report = kvctl("health", "--instance", fleet["urls"]["b"])
+    assert result.code == 6
+    down = [check for check in report["instances"][0]["checks"] if not check["ok"]]
+    assert [check["component"] for check in down] == ["redis"]
+    result, report = kvctl("ls", "--instance", fleet["urls"]["b"])
+    assert result.code == 6 and "redis tier:" in result.stderr
+    assert {tier["tier"] for tier in report["tiers"]} == {"cpu", "disk"}
