@@ -7,8 +7,9 @@
 
 `install()` applies them; it is idempotent. Entry points: `kvctl_plugins.vllm_connector`
 (vLLM's kv_connector_module_path, keeping the connector name LMCacheConnectorV1) and
-`python -m kvctl_plugins.standalone` (LMCache's standalone engine). This package imports lmcache
-and vllm, never kvctl.cli.
+`python -m kvctl_plugins.standalone` (LMCache's standalone engine). The MP server's routes
+(mp_routes.py) load separately, through `lmcache server --server-module`. This package imports
+lmcache and vllm, never kvctl.cli.
 """
 
 from __future__ import annotations

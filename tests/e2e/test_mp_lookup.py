@@ -1,5 +1,6 @@
-"""MP mode: vLLM CPU + LMCacheMPConnector + `lmcache server` (L2 on fs and Redis) from `kvctl config
-init --mode mp`; kvctl's offline lookup finds exactly the chunks the server stored."""
+"""MP mode: vLLM CPU + LMCacheMPConnector + `lmcache server` (L2 on fs and Redis, kvctl's routes
+loaded) from `kvctl config init --mode mp`; kvctl's live lookup sees the chunks in L1 too, and the
+offline lookup finds exactly the chunks the server stored."""
 
 import json
 import re
@@ -12,6 +13,7 @@ import yaml
 
 from kvctl.core.config_init import mp_server_argv
 from kvctl.core.keys import MPKeyRecipe, mp_object_keys
+from kvctl.core.launch import MP_ROUTES_ARGV
 from tests.helpers import free_port, http_json, run_kvctl, start_process, start_vllm, stop_process, wait_until
 
 
@@ -25,8 +27,8 @@ def test_offline_lookup_finds_what_the_mp_server_stored(tiny_model, tmp_path, st
     assert init.code == 0, init.stderr
     values = yaml.safe_load((tmp_path / "cfg" / "lmcache.yaml").read_text())
     server_log = tmp_path / "server.log"
-    server = start_process([sys.executable, "-m", "lmcache.v1.multiprocess.http_server", *mp_server_argv(values)],
-                           server_log)
+    server = start_process([sys.executable, "-m", "lmcache.v1.multiprocess.http_server", *mp_server_argv(values),
+                            *MP_ROUTES_ARGV], server_log)
     vllm = None
     try:
         wait_until(lambda: http_json("GET", f"http://127.0.0.1:{http_port}/healthcheck")["status"] == "healthy", 120,
@@ -47,12 +49,17 @@ def test_offline_lookup_finds_what_the_mp_server_stored(tiny_model, tmp_path, st
                    "fs L2 files", server, server_log)
         wait_until(lambda: all(redis.client().exists(ranks[0].native_key()) for ranks in expected), 60,
                    "Redis L2 keys", server, server_log)
+        prompt_file = tmp_path / "prompt.txt"
+        prompt_file.write_text(prompt)
+        live = run_kvctl("lookup", "--config", tmp_path / "cfg", "--instance", f"http://127.0.0.1:{http_port}",
+                         "--prompt-file", prompt_file, "--format", "json")
+        assert live.code == 0, live.stderr
+        assert json.loads(live.stdout)["hit_tokens"] == {"cpu": stored, "disk": stored, "redis": stored,
+                                                         "total": stored}
     finally:
         if vllm is not None:
             stop_process(vllm, grace=20)
         stop_process(server)
-    prompt_file = tmp_path / "prompt.txt"
-    prompt_file.write_text(prompt)
     result = run_kvctl("lookup", "--offline", "--config", tmp_path / "cfg", "--prompt-file", prompt_file,
                        "--format", "json")
     assert result.code == 0, result.stderr
