@@ -171,12 +171,28 @@ def engine_redis_store(worker) -> Store:
     return Store("redis", "lmcache-redis", redis=parse_redis_url(worker.conf(["remote_url"])["remote_url"]))
 
 
+def redis_tier_keys(store: Store, model: str) -> list[str]:
+    """The chunk keys of `model` in a Redis tier, by SCAN: other models' chunks and non-LMCache keys
+    never match the pattern."""
+    from kvctl.clients.redis_tier import RedisTier
+
+    with RedisTier(store.redis) as redis:
+        names, _total = redis.scan(redis_pattern(store.layout, model), 2**62)
+    return [name.removesuffix(REDIS_SUFFIXES[store.layout]) for name in names]
+
+
+def unlink_chunks(store: Store, keys: list[str]) -> None:
+    """Remove chunks from a Redis tier: every name each one occupies, by batched UNLINK."""
+    from kvctl.clients.redis_tier import RedisTier
+
+    with RedisTier(store.redis) as redis:
+        redis.delete([name for key in keys for name in redis_chunk_names(key, store.layout)])
+
+
 def evict_from_instance(worker, *, tiers: list[str] | None, everything: bool, dry_run: bool,
                         **selection: Any) -> dict[str, Any]:
     """Evict through the engine's routes; a whole Redis tier is enumerated here by SCAN, since LMCache
     cannot list it. Only chunks of the engine's own model are taken from a Redis that others may share."""
-    from kvctl.clients.redis_tier import RedisTier
-
     info = worker.info()
     present = [entry["tier"] for entry in info["tiers"]]
     chosen = present if not tiers or "all" in tiers else tiers
@@ -190,13 +206,15 @@ def evict_from_instance(worker, *, tiers: list[str] | None, everything: bool, dr
         result["chunks"].extend(answer["chunks"])
     if direct:
         store = engine_redis_store(worker)
-        with RedisTier(store.redis) as redis:
-            names, _total = redis.scan(redis_pattern(store.layout, info["model"]), 2**62)
-            keys = [name.removesuffix(REDIS_SUFFIXES[store.layout]) for name in names]
-            if not dry_run:
-                redis.delete([name for key in keys for name in redis_chunk_names(key, store.layout)])
+        keys = redis_tier_keys(store, info["model"])
+        kept = 0
+        if info["pins"] and not selection.get("force") and keys:  # the engine knows which chunks its pins hold
+            planned = worker.evict(keys=keys, tiers=["redis"], dry_run=True)
+            kept, keys = planned["skipped_pinned"]["redis"], [chunk["key"] for chunk in planned["chunks"]]
+        if not dry_run:
+            unlink_chunks(store, keys)
         result["removed"]["redis"] = len(keys)
-        result["skipped_pinned"]["redis"] = 0
+        result["skipped_pinned"]["redis"] = kept
         result["chunks"].extend({"tier": "redis", "key": key} for key in keys)
     return result
 

@@ -127,18 +127,25 @@ def test_ls_lists_every_tier_with_sizes_pins_and_totals(engine):
 
 
 @pytest.mark.slow
-def test_evict_whole_redis_tier_takes_only_this_models_chunks(engine):
+def test_evict_whole_redis_tier_takes_only_this_models_unpinned_chunks(engine):
     tokens = store(engine, 30_000, 2)
+    pinned_tokens = store(engine, 40_000, 1)
+    pinned_key = inprocess_keys(json.loads(pinned_tokens.read_text()), RECIPE)[0]
+    pin = answer(engine, "pin", "--tokens-file", pinned_tokens)
     foreign = ["other@1@0@abc@halfmetadata", "other@1@0@abc@halfkv_bytes", "session:42"]
     engine["redis"].mset({name: b"x" for name in foreign})
     ours = set(engine["redis"].scan_iter("tiny@*"))
     dry = answer(engine, "evict", "--tier", "redis", "--dry-run")
-    assert dry["removed"] == {"redis": len(ours) // 2} and {c["key"][:5] for c in dry["chunks"]} == {"tiny@"}
+    assert dry["removed"] == {"redis": len(ours) // 2 - 1} and dry["skipped_pinned"] == {"redis": 1}
+    assert {c["key"][:5] for c in dry["chunks"]} == {"tiny@"} and pinned_key not in {c["key"] for c in dry["chunks"]}
     assert set(engine["redis"].scan_iter("tiny@*")) == ours  # a dry run removes nothing
     done = answer(engine, "evict", "--tier", "redis", "--yes")
     assert done["removed"] == dry["removed"]
-    assert list(engine["redis"].scan_iter("tiny@*")) == []
+    assert sorted(engine["redis"].scan_iter("tiny@*")) == sorted(f"{pinned_key}{s}".encode() for s in ("kv_bytes", "metadata"))
     assert all(engine["redis"].exists(name) for name in foreign)  # nothing the user did not select
-    after = json.loads(run_kvctl("lookup", "--instance", engine["url"], "--tokens-file", tokens).stdout)
+    after = answer(engine, "lookup", "--tokens-file", tokens)
     assert [chunk["tiers"] for chunk in after["chunks"]] == [["cpu", "disk"]] * 2
+    forced = answer(engine, "evict", "--tier", "redis", "--yes", "--force")
+    assert forced["removed"] == {"redis": 1} and list(engine["redis"].scan_iter("tiny@*")) == []
+    answer(engine, "unpin", "--pin-id", pin["pin_id"])
     engine["redis"].delete(*foreign)
