@@ -63,6 +63,30 @@ def prompt_file(tmp_path, module="csv"):
     return path
 
 
+def assert_operator_views(serve, chunks, prompt_tokens):
+    """health, stats, ls and top against a served instance (the most recent kvctl serve, found by default)."""
+    health = serve.kvctl("health", "--format", "json")
+    assert health.code == 0, health.stdout + health.stderr
+    checks = {check["component"]: check for check in json.loads(health.stdout)["instances"][0]["checks"]}
+    assert set(checks) == {"vllm", "internal_api (scheduler)", "internal_api (worker 0)", "offload", "disk"}
+    assert all(check["ok"] for check in checks.values())
+
+    def stats():
+        result = serve.kvctl("stats", "--format", "json")
+        assert result.code == 0, result.stderr
+        return json.loads(result.stdout)["instances"][0]
+
+    wait_until(lambda: (stats()["lmcache"]["store"]["tokens"] or 0) >= chunks * 256, 60, "LMCache's store metrics")
+    report = stats()
+    assert report["vllm"]["prompt_tokens"] >= prompt_tokens
+    tiers = {tier["tier"]: tier for tier in report["lmcache"]["tiers"]}
+    assert tiers["cpu"]["chunks"] >= chunks and tiers["disk"]["chunks"] >= chunks
+    listed = json.loads(serve.kvctl("ls", "--format", "json").stdout)
+    assert {tier["tier"]: tier["total"] >= chunks for tier in listed["tiers"]} == {"cpu": True, "disk": True}
+    frame = serve.kvctl("top", "--once", "--format", "json")
+    assert frame.code == 0 and json.loads(frame.stdout)["health"]["healthy"]
+
+
 @pytest.mark.slow
 def test_serve_prewarm_lookup_restart_stop_inprocess(tmp_path):
     cache = tmp_path / "kvctl-cache"
@@ -79,6 +103,7 @@ def test_serve_prewarm_lookup_restart_stop_inprocess(tmp_path):
         found = json.loads(serve.kvctl("lookup", "--instance", "default", "--prompt-file", prompt, "--format",
                                        "json").stdout)
         assert found["hit_tokens"]["total"] == entry["chunks"] * 256 and found["tiers_checked"] == ["cpu", "disk"]
+        assert_operator_views(serve, entry["chunks"], entry["prompt_tokens"])
         assert serve.stop() == 0
     finally:
         if serve.proc.poll() is None:
