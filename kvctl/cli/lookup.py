@@ -131,21 +131,20 @@ def lookup(
 
 def instance_target(instance: str | None, state: Path | None,
                     vllm_url: str | None) -> tuple[str | None, Path | None, str | None]:
-    """(server URL, config dir, vLLM URL) for --instance URL, --instance NAME, or a kvctl serve state file.
+    """(server URL, config dir, vLLM URL) for --instance URL or NAME (inventory or kvctl serve), or a state file.
 
     In-process: worker 0's internal API and no config (the engine knows its own tiers). MP: the
     lmcache server's HTTP URL (its L1) and the config dir (the L2 stores kvctl reads directly).
     """
-    from kvctl.core.launch import is_url, read_state
+    from kvctl.core.instances import resolve
 
-    if instance and is_url(instance):
-        return instance, None, vllm_url
-    recorded = read_state(state, instance)
-    endpoints = recorded["endpoints"]
-    vllm_url = vllm_url or endpoints.get("vllm")
-    if recorded["mode"] == "inprocess":
-        return endpoints["internal_api"][1], None, vllm_url
-    return endpoints.get("mp_http"), Path(recorded["config_dir"]), vllm_url
+    if instance == "all":
+        raise UsageError("--instance all is for health, stats, top and ls", hint="name one instance")
+    (target,) = resolve(instance, state)
+    vllm_url = vllm_url or target.vllm
+    if target.mode == "inprocess":
+        return target.worker, None, vllm_url
+    return target.mp_http, Path(target.config_dir) if target.config_dir else None, vllm_url
 
 
 def store_lookup(out, prompt_file, chat, tokens_file, model, config, kv_dtype, world_size, hash_seed, vllm_url,

@@ -113,6 +113,12 @@ def test_fleet_fan_out_names_the_members_that_fail(fleet):
     assert result.code == 0 and [r["instance"] for r in report["instances"]] == ["a", "b"]
     result, _ = kvctl("health", "--instance", "all")
     assert result.code == 2 and "needs an inventory" in result.stderr
+    tokens = fleet["root"] / "tokens.json"
+    tokens.write_text(json.dumps(list(range(2 * CHUNK))))
+    http_json("POST", f"{fleet['urls']['b']}/cache/store", params={"tokens_mock": f"0,{2 * CHUNK}"})
+    found = run_kvctl("lookup", "--instance", "b", "--tokens-file", tokens, "--format", "json",
+                      env={"KVCTL_INVENTORY": str(fleet["inventory"])})  # an inventory name works everywhere
+    assert found.code == 0 and json.loads(found.stdout)["hit_tokens"]["cpu"] == 2 * CHUNK
 
 
 @pytest.mark.slow
