@@ -103,8 +103,9 @@ def _stats_tables(report: dict[str, Any]) -> list:
         evictions = lmcache["evictions"]
         rows.append(("CPU evictions", _number(evictions["cpu"]), f"{_number(evictions['cpu_failed'])} failed"))
         pins = lmcache["pins"]
-        rows.append(("pins", _number(pins["kvctl"]), f"kvctl pins; LMCache pinned objects "
-                     f"{_number(pins['pinned_objects'])}, forced unpins {_number(pins['forced_unpins'])}"))
+        if pins:
+            rows.append(("pins", _number(pins["kvctl"]), f"kvctl pins; LMCache pinned objects "
+                         f"{_number(pins['pinned_objects'])}, forced unpins {_number(pins['forced_unpins'])}"))
     if vllm:
         for kind, label in (("prefix_cache", "vLLM prefix cache hit rate"),
                             ("external_cache", "vLLM hit rate from LMCache")):

@@ -130,6 +130,30 @@ def lmcache_stats(samples: Samples, info: dict[str, Any] | None) -> dict[str, An
     }
 
 
+def mp_server_stats(samples: Samples, info: dict[str, Any]) -> dict[str, Any]:
+    """The MP server's view in the same shape as an engine's: its lookups carry the hits (per tier),
+    L1 is the cpu tier. Counter names are OpenTelemetry's, exported with their unit."""
+    m = lambda name, **labels: metric(samples, f"lmcache_mp_{name}", **labels)  # noqa: E731
+    requested, hit = m("lookup_requested_tokens"), m("lookup_hit_tokens")
+    tiers = [{"tier": "cpu" if tag == "_default" else f"cpu:{tag}", "chunks": l1.get("total_object_count"),
+              "used_bytes": l1.get("memory_used_bytes"), "capacity_bytes": l1.get("memory_total_bytes"),
+              "usage": l1.get("memory_usage_ratio")} for tag, l1 in (info.get("l1") or {}).items()]
+    tiers += [{"tier": f"l2:{labels.get('l2_name')}", "chunks": None, "used_bytes": value, "capacity_bytes": None,
+               "usage": None} for labels, value in samples.get("lmcache_mp_l2_usage_bytes", [])]
+    return {
+        "lookup": {"requests": m("lookups_requests"), "tokens": requested, "hit_tokens": hit,
+                   "hit_rate": ratio(hit, requested), "hit_tokens_by_tier": {
+                       "cpu": m("lookup_hit_l1_tokens"), "l2": m("lookup_hit_l2_tokens")}},
+        "retrieve": {"requests": m("num_finished_retrieves"), "tokens": None, "hit_tokens": None, "hit_rate": None},
+        "store": {"requests": m("num_finished_stores"), "tokens": None},
+        "tiers": tiers,
+        "evictions": {"cpu": m("l1_evicted_chunks"), "cpu_failed": None, "l2": m("l2_evicted_objects_chunks")},
+        "remote": None,
+        "pins": None,
+        "healthy": None,
+    }
+
+
 def vllm_stats(samples: Samples) -> dict[str, Any]:
     """vLLM's own prefix cache and what the connector (LMCache) brought in."""
     v = lambda name, **labels: metric(samples, f"vllm:{name}", **labels)  # noqa: E731
@@ -233,6 +257,14 @@ def instance_stats(instance) -> dict[str, Any]:
     stats: dict[str, Any] = {"instance": instance.name, "mode": instance.mode}
     if texts:
         stats["lmcache"] = lmcache_stats(merge_samples(texts), info)
+    if instance.mp_http:
+        from kvctl.clients.mp_server import MPServerClient
+
+        try:
+            with MPServerClient(instance.mp_http) as server:
+                stats["lmcache"] = mp_server_stats(parse_metrics(server.request("GET", "/metrics")), server.info())
+        except KvctlError as error:
+            errors["mp_server"] = error.message
     if instance.vllm:
         try:
             with VLLMClient(instance.vllm) as vllm:
@@ -240,7 +272,7 @@ def instance_stats(instance) -> dict[str, Any]:
         except KvctlError as error:
             errors["vllm"] = error.message
     stats["errors"] = errors
-    if errors and not texts and "vllm" not in stats:
+    if errors and "lmcache" not in stats and "vllm" not in stats:
         raise UnreachableError("nothing answered: " + "; ".join(errors.values()),
                                hint="check that the instance runs: kvctl health")
     return stats

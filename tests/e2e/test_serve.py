@@ -146,9 +146,17 @@ def test_serve_mp_prewarm_lookup(tmp_path):
         warmed = serve.kvctl("prewarm", prompt, "--format", "json")
         assert warmed.code == 0, warmed.stderr
         entry = json.loads(warmed.stdout)["prompts"][0]
-        assert entry["chunks"] >= 2 and entry["cached_chunks"] == entry["chunks"] and entry["tiers"] == ["disk"]
+        assert entry["chunks"] >= 2 and entry["cached_chunks"] == entry["chunks"] and entry["tiers"] == ["cpu", "disk"]
         status = httpx.get(f"{serve.state['endpoints']['mp_http']}/status", timeout=10).json()
         assert status["storage_manager"]["l1_managers"]["_default"]["total_object_count"] >= entry["chunks"]
+        health = json.loads(serve.kvctl("health", "--format", "json").stdout)
+        checks = {check["component"]: check["ok"] for check in health["instances"][0]["checks"]}
+        assert checks == {"vllm": True, "mp_server": True, "disk": True}
+        stats = serve.kvctl("stats", "--format", "json")
+        assert stats.code == 0, stats.stderr
+        lmcache = json.loads(stats.stdout)["instances"][0]["lmcache"]
+        assert lmcache["lookup"]["tokens"] >= entry["chunks"] * 256  # vLLM asked the server for its full chunks
+        assert lmcache["tiers"][0]["tier"] == "cpu" and lmcache["tiers"][0]["chunks"] >= entry["chunks"]
         assert serve.stop(signal.SIGINT) == 130
     finally:
         if serve.proc.poll() is None:
