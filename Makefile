@@ -14,7 +14,7 @@ run: setup
 	@./scripts/main-job
 
 bench: setup
-	@for bench in benchmarks/*.py; do echo "== $$bench"; $(PY) $$bench || exit 1; done
+	@for bench in benchmarks/[!_]*.py; do echo "== $$bench"; $(PY) $$bench || exit 1; done
 
 completions: setup
 	$(KVCTL) completion show bash > completions/kvctl.bash
