@@ -1,5 +1,9 @@
-"""`kvctl pin`, `unpin`, `pins`, `evict`: cache operations on a running in-process instance, through
-kvctl's /kvctl/v1 routes."""
+"""`kvctl ls`, `pin`, `unpin`, `pins`, `evict`: cache operations on a running instance. In-process:
+through kvctl's /kvctl/v1 routes in the engine. MP: L1 through the server's HTTP API and kvctl's MP
+routes, L2 through the server's adapters, pins through the LMCache coordinator (kvctl.core.mp_cache).
+
+MP pins without a known coordinator are refused with exit 2 (usage): kvctl has no pin of its own
+there, and pretending to pin would be worse than saying so."""
 
 from __future__ import annotations
 
@@ -17,7 +21,6 @@ from kvctl.cli.lookup import (
     PromptFile,
     TokensFile,
     VllmOption,
-    instance_target,
     load_tokens,
 )
 from kvctl.cli.observe import FleetInstance, InventoryOption, report_errors
@@ -30,6 +33,8 @@ InstanceOption = Annotated[str | None, typer.Option("--instance", help="A 'kvctl
 StateOption = Annotated[Path | None, typer.Option("--state", help="The state file of a 'kvctl serve' (default: the "
                                                   "most recent one).")]
 TierOption = Annotated[list[Tier] | None, typer.Option("--tier", help="cpu, disk, redis or all (repeatable).")]
+CoordinatorOption = Annotated[str | None, typer.Option("--coordinator", help="MP mode: the LMCache coordinator's URL, "
+                                                       "where pins live (default: 'coordinator:' in kvctl.yaml).")]
 DURATION = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhd]?)$")
 UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -41,21 +46,57 @@ def parse_duration(text: str) -> float:
     return float(match.group(1)) * UNITS[match.group(2)]
 
 
-def _worker(instance: str | None, state: Path | None, vllm_url: str | None = None):
-    """(client of worker 0's routes, vLLM URL for tokenizing) of an in-process instance."""
+def _instance(instance: str | None, state: Path | None, vllm_url: str | None = None):
+    """(worker 0's client and info, or None and None for an MP instance; the instance). An MP server
+    given by its URL is told apart by its kvctl routes' answer."""
+    from dataclasses import replace
+
     from kvctl.clients.internal_api import InternalAPIClient
+    from kvctl.core.instances import resolve
 
-    url, _config, vllm_url = instance_target(instance, state, vllm_url)
-    if url is None:
-        raise UsageError("pins and evictions by prompt need an in-process instance with kvctl's routes",
-                         hint="MP mode: pin through LMCache's coordinator (/cache/pins); this is not supported here yet")
-    return InternalAPIClient(url), vllm_url
+    if instance == "all":
+        raise UsageError("pins and evictions address one instance", hint="name it with --instance")
+    found = resolve(instance, state)[0]
+    found.vllm = vllm_url or found.vllm
+    if found.mode != "mp" and found.worker:
+        worker = InternalAPIClient(found.worker)
+        try:
+            info = worker.info()
+        except BaseException:
+            worker.close()
+            raise
+        if info.get("engine") != "mp":
+            return worker, info, found
+        worker.close()
+        found = replace(found, mode="mp", mp_http=found.worker)
+    if not found.mp_http:
+        raise UsageError(f"the HTTP URL of the MP instance {found.name}'s server is unknown",
+                         hint="pass --instance with the lmcache server's HTTP URL")
+    return None, None, found
 
 
-def _tokens(worker, prompt_file, chat, tokens_file, model, vllm_url):
-    info = worker.info()
-    model_dir = model or (info["model"] if Path(info["model"]).is_dir() else None)
-    return load_tokens(prompt_file, chat, tokens_file, model_dir, vllm_url, info["model"])
+def _tokens(model_name, prompt_file, chat, tokens_file, model, vllm_url):
+    model_dir = model or (model_name if model_name and Path(model_name).is_dir() else None)
+    return load_tokens(prompt_file, chat, tokens_file, model_dir, vllm_url, model_name)
+
+
+def _mp_model(found, model: str | None) -> tuple[str, int]:
+    """(model, world size) of an MP instance: --model, the one it was served with, or the one registered."""
+    from kvctl.clients.mp_server import MPServerClient
+    from kvctl.core.mp_cache import registered_model
+
+    with MPServerClient(found.mp_http) as server:
+        return registered_model(server, model or found.model)
+
+
+def _coordinator(url: str | None) -> str:
+    from kvctl.core.instances import inventory_value
+    from kvctl.core.mp_cache import COORDINATOR_HINT, NO_COORDINATOR
+
+    url = url or inventory_value("coordinator")
+    if not url:
+        raise UsageError(NO_COORDINATOR, hint=COORDINATOR_HINT)
+    return url
 
 
 def tier_names(tiers: list[Tier] | None) -> list[str] | None:
@@ -74,23 +115,26 @@ def ls(
 ) -> None:
     """List cached chunks per tier: key, size, pin state, age where known; totals per tier.
 
-    A running in-process instance answers for its CPU and disk tiers (pins included); Redis, and the
-    disk directory of a --config with no instance, are read directly. With --instance all, every
-    instance of the inventory is listed ({"instances": [...]} in JSON).
+    A running in-process instance answers for its CPU and disk tiers (pins included); an MP server
+    for its L1 (cpu; "pinned" = locked by a reader), with the L2 stores of its configuration (give
+    --config with an MP server's URL); Redis, and the disk directory of a --config with no instance,
+    are read directly. With --instance all, every instance of the inventory is listed
+    ({"instances": [...]} in JSON).
     """
+    from dataclasses import replace
+
     from kvctl.core import instances as fleet
     from kvctl.core import listing
 
     selected = tier_names(tier)
     out = ctx.obj
-    if config is not None:
-        from kvctl.core.target import read_deployment
-
-        render_listing(out, listing.list_stores(read_deployment(config).stores, selected, limit, model))
+    if config is not None and instance is None:
+        render_listing(out, listing.list_stores(listing.config_stores(config), selected, limit, model))
         return
     targets = fleet.resolve(instance, state, inventory)
     if instance != "all":
-        render_listing(out, listing.list_instance(targets[0], selected, limit, model))
+        target = targets[0] if config is None else replace(targets[0], config_dir=str(config))
+        render_listing(out, listing.list_instance(target, selected, limit, model))
         return
     outcomes = fleet.fan_out(targets, lambda target: listing.list_instance(target, selected, limit, model))
     reports, items = [], []
@@ -133,14 +177,24 @@ def pin(
     prompt_file: PromptFile = None, chat: ChatFile = None, tokens_file: TokensFile = None,
     model: ModelOption = None, vllm_url: VllmOption = None,
     ttl: Annotated[str | None, typer.Option("--ttl", help="How long: 600, 30s, 10m, 2h, 1d (default: until "
-                                            "unpinned).")] = None,
+                                            "unpinned; in-process only).")] = None,
     tier: TierOption = None, instance: InstanceOption = None, state: StateOption = None,
+    coordinator: CoordinatorOption = None,
 ) -> None:
-    """Pin a prompt's chunks on the CPU and disk tiers: eviction skips them until unpinned or the TTL ends."""
+    """Pin a prompt's chunks: eviction skips them until unpinned (or the TTL ends).
+
+    In-process: on the CPU and disk tiers, by kvctl. MP: in L2, fleet-wide, by the LMCache coordinator.
+    """
     ttl_s = parse_duration(ttl) if ttl else None
-    worker, vllm_url = _worker(instance, state, vllm_url)
+    worker, info, found = _instance(instance, state, vllm_url)
+    if worker is None:
+        if ttl or tier:
+            raise UsageError("MP pins (the coordinator's) hold a prompt's chunks in L2 until unpinned: no --ttl or "
+                             "--tier", hint="drop --ttl and --tier")
+        _mp_pin(ctx.obj, "pin", found, coordinator, prompt_file, chat, tokens_file, model)
+        return
     with worker:
-        token_ids = _tokens(worker, prompt_file, chat, tokens_file, model, vllm_url)
+        token_ids = _tokens(info["model"], prompt_file, chat, tokens_file, model, found.vllm)
         result = worker.pin(token_ids, ttl_s, tier_names(tier))
     ctx.obj.emit(result, [Table(["pin id", "chunks", "tokens", "pinned", "expires in"],
                                 [(result["pin_id"], result["chunks"], result["tokens"],
@@ -150,33 +204,60 @@ def pin(
         ctx.obj.warn("no chunk of this prompt is cached: nothing was pinned (prewarm it first)")
 
 
+def _mp_pin(out, action: str, found, coordinator, prompt_file, chat, tokens_file, model) -> None:
+    """Pin or unpin a prompt through the coordinator, which hashes the tokens itself."""
+    from kvctl.clients.coordinator import CoordinatorClient
+
+    url = _coordinator(coordinator)
+    name, world_size = _mp_model(found, model)
+    token_ids = _tokens(name, prompt_file, chat, tokens_file, model, found.vllm)
+    with CoordinatorClient(url) as client:
+        result = {"model": name, **getattr(client, action)(name, token_ids, world_size)}
+    out.emit(result, [Table(["model", "chunks", "keys", "status"],
+                            [(name, result["requested"], result["affected"], result["status"])])])
+
+
 def unpin(
     ctx: typer.Context,
-    pin_id: Annotated[str | None, typer.Option("--pin-id", help="The pin to release.")] = None,
+    pin_id: Annotated[str | None, typer.Option("--pin-id", help="The pin to release (in-process).")] = None,
     prompt_file: PromptFile = None, chat: ChatFile = None, tokens_file: TokensFile = None,
     model: ModelOption = None, vllm_url: VllmOption = None,
-    everything: Annotated[bool, typer.Option("--all", help="Release every kvctl pin.")] = False,
-    instance: InstanceOption = None, state: StateOption = None,
+    everything: Annotated[bool, typer.Option("--all", help="Release every kvctl pin (in-process).")] = False,
+    instance: InstanceOption = None, state: StateOption = None, coordinator: CoordinatorOption = None,
 ) -> None:
-    """Release kvctl pins: one by id, every pin holding a prompt's chunks, or all."""
+    """Release pins: one by id, every pin holding a prompt's chunks, or all (MP: one pin of a prompt)."""
     chosen = sum(bool(x) for x in (pin_id, prompt_file or chat or tokens_file, everything))
     if chosen != 1:
         raise UsageError("give exactly one of --pin-id, a prompt (--prompt-file/--chat/--tokens-file), --all",
                          hint="kvctl pins lists the pin ids")
-    worker, vllm_url = _worker(instance, state, vllm_url)
+    worker, info, found = _instance(instance, state, vllm_url)
+    if worker is None:
+        if pin_id or everything:
+            raise UsageError("the LMCache coordinator unpins by prompt only (its pins have no ids)",
+                             hint="pass the prompt that was pinned (--prompt-file/--chat/--tokens-file)")
+        _mp_pin(ctx.obj, "unpin", found, coordinator, prompt_file, chat, tokens_file, model)
+        return
     with worker:
         if pin_id or everything:
             result = worker.unpin(pin_id=pin_id, everything=everything)
         else:
-            token_ids = _tokens(worker, prompt_file, chat, tokens_file, model, vllm_url)
+            token_ids = _tokens(info["model"], prompt_file, chat, tokens_file, model, found.vllm)
             result = worker.unpin(tokens=token_ids)
     rows = [(entry["pin_id"], entry["chunks"], entry["tokens"]) for entry in result["unpinned"]]
     ctx.obj.emit(result, [Table(["pin id", "chunks", "tokens"], rows, title="unpinned")])
 
 
-def pins(ctx: typer.Context, instance: InstanceOption = None, state: StateOption = None) -> None:
-    """List kvctl's pins on the instance."""
-    worker, _vllm_url = _worker(instance, state)
+def pins(ctx: typer.Context, instance: InstanceOption = None, state: StateOption = None,
+         coordinator: CoordinatorOption = None,
+         model: Annotated[str | None, typer.Option("--model", help="MP: only pins of this model.")] = None) -> None:
+    """List the pins: kvctl's on an in-process instance; the coordinator's pinned keys in MP mode."""
+    worker, _info, _found = _instance(instance, state)
+    if worker is None:
+        from kvctl.core.mp_cache import coordinator_pins
+
+        listed = coordinator_pins(_coordinator(coordinator), model)
+        ctx.obj.emit({"pins": listed}, [Table(["key", "pins"], [(p["key"], p["pin_count"]) for p in listed])])
+        return
     with worker:
         listed = worker.pins()
     rows = [(p["pin_id"], p["chunks"], p["tokens"], " ".join(f"{t}:{n}" for t, n in p["pinned"].items()),
@@ -189,41 +270,62 @@ def evict(
     prompt_file: PromptFile = None, chat: ChatFile = None, tokens_file: TokensFile = None,
     key: Annotated[list[str] | None, typer.Option("--key", help="A chunk key (repeatable).")] = None,
     tier: TierOption = None,
-    everything: Annotated[bool, typer.Option("--all", help="Every chunk of the selected tiers (in Redis: those of this instance's model).")] = False,
+    everything: Annotated[bool, typer.Option("--all", help="Every chunk of the selected tiers (in Redis, and in "
+                                             "every MP tier: those of this instance's model).")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="List exactly what would be removed; remove "
                                           "nothing.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask (required when not on a terminal).")] = False,
-    force: Annotated[bool, typer.Option("--force", help="Remove kvctl-pinned chunks too.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Remove pinned chunks too (MP: locked L1 objects and "
+                                        "coordinator-pinned L2 chunks).")] = False,
     model: ModelOption = None, vllm_url: VllmOption = None, instance: InstanceOption = None, state: StateOption = None,
+    coordinator: CoordinatorOption = None,
+    config: Annotated[Path | None, typer.Option("--config", help="MP: the server's 'kvctl config init' directory "
+                                                "(its L2 stores), when --instance is its URL.")] = None,
 ) -> None:
     """Remove chunks from the CPU, disk and Redis tiers: a prompt's, given keys, or a whole tier."""
     prompt_given = bool(prompt_file or chat or tokens_file)
     if sum((prompt_given, bool(key), everything)) != 1 and not (tier and not prompt_given and not key):
         raise UsageError("say what to evict: a prompt, --key, or --tier T / --all",
                          hint="add --dry-run to see what would go first")
+    worker, info, found = _instance(instance, state, vllm_url)
+    tiers = tier_names(tier)
+    if worker is None:
+        from kvctl.core import instances, listing, mp_cache
+
+        target = mp_cache.MPTarget(found.mp_http, listing.config_stores(config or found.config_dir), model or found.model,
+                                   coordinator or instances.inventory_value("coordinator"))
+        selection = {"tiers": tiers, "force": force, "keys": key}
+        if prompt_given:
+            selection["tokens"] = _tokens(target.model or _mp_model(found, None)[0], prompt_file, chat, tokens_file,
+                                          model, found.vllm)
+        _evict_confirmed(ctx.obj, lambda dry: mp_cache.evict(target, dry_run=dry, **selection), dry_run, yes)
+        return
     from kvctl.core.listing import evict_from_instance
 
-    out = ctx.obj
-    worker, vllm_url = _worker(instance, state, vllm_url)
     with worker:
-        selection = {"tiers": tier_names(tier), "force": force, "everything": not (prompt_given or key)}
+        selection = {"tiers": tiers, "force": force, "everything": not (prompt_given or key)}
         if prompt_given:
-            selection["tokens"] = _tokens(worker, prompt_file, chat, tokens_file, model, vllm_url)
+            selection["tokens"] = _tokens(info["model"], prompt_file, chat, tokens_file, model, found.vllm)
         elif key:
             selection["keys"] = key
-        planned = evict_from_instance(worker, dry_run=True, **selection)
-        total = sum(planned["removed"].values())
-        if dry_run or total == 0:
-            result = planned
-        else:
-            if not yes:
-                if not sys.stdin.isatty():
-                    raise UsageError(f"refusing to evict {total} chunks without --yes (not on a terminal)",
-                                     hint="add --yes, or --dry-run to list them")
-                counts = ", ".join(f"{tier_}: {n}" for tier_, n in planned["removed"].items())
-                if not typer.confirm(f"evict {total} chunks ({counts})?", err=True):
-                    raise typer.Exit(ExitCode.ERROR)
-            result = evict_from_instance(worker, dry_run=False, **selection)
+        _evict_confirmed(ctx.obj, lambda dry: evict_from_instance(worker, dry_run=dry, **selection), dry_run, yes)
+
+
+def _evict_confirmed(out, run, dry_run: bool, yes: bool) -> None:
+    """Plan (a dry run), ask or refuse off a terminal without --yes, then evict and report."""
+    planned = run(True)
+    total = sum(planned["removed"].values())
+    if dry_run or total == 0:
+        result = planned
+    else:
+        if not yes:
+            if not sys.stdin.isatty():
+                raise UsageError(f"refusing to evict {total} chunks without --yes (not on a terminal)",
+                                 hint="add --yes, or --dry-run to list them")
+            counts = ", ".join(f"{tier_}: {n}" for tier_, n in planned["removed"].items())
+            if not typer.confirm(f"evict {total} chunks ({counts})?", err=True):
+                raise typer.Exit(ExitCode.ERROR)
+        result = run(False)
     rows = [(t, n, result["skipped_pinned"].get(t, 0)) for t, n in result["removed"].items()]
     title = "would evict (dry run)" if result["dry_run"] else "evicted"
     out.emit(result, [Table(["tier", "chunks", "kept (pinned)"], rows, title=title)])

@@ -61,6 +61,11 @@ class MPServerClient(HTTPClient):
     def info(self) -> dict[str, Any]:
         return self.request("GET", f"{KVCTL_ROUTES}/info")
 
+    def keys(self, offset: int = 0, limit: int = 1000, model: str | None = None) -> dict[str, Any]:
+        """A page of L1's objects ({"total", "next_offset", "keys": [{"key", "size", "locked"}]})."""
+        params = {"tier": "cpu", "offset": offset, "limit": limit, "model": model}
+        return self.request("GET", f"{KVCTL_ROUTES}/keys", params={k: v for k, v in params.items() if v is not None})
+
     def lookup(self, tokens: list[int], model: str | None = None, world_size: int | None = None,
                cache_salt: str = "") -> dict[str, Any]:
         """Which chunks L1 holds, per chunk with its keys (every object group and rank)."""

@@ -119,9 +119,14 @@ def resolve(instance: str | None, state: Path | None = None, inventory: Path | N
     return [from_state(read_state(state, instance), instance)]
 
 
-def shared_redis(inventory: Path | None = None) -> str | None:
+def inventory_value(name: str, inventory: Path | None = None) -> Any:
+    """A fleet-wide setting of the inventory (`redis`, `coordinator`), None without one."""
     path = find_inventory(inventory)
-    return read_inventory(path).get("redis") if path else None
+    return read_inventory(path).get(name) if path else None
+
+
+def shared_redis(inventory: Path | None = None) -> str | None:
+    return inventory_value("redis", inventory)
 
 
 @dataclass

@@ -271,9 +271,33 @@ class ObjectKey:
         return {"chunk_hash_hex": self.chunk_hash.hex(), "model_name": self.model_name, "kv_rank": self.kv_rank,
                 "object_group_id": self.object_group_id, "cache_salt": self.cache_salt}
 
+    @classmethod
+    def from_encoded(cls, encoded: dict) -> ObjectKey:
+        return cls(bytes.fromhex(encoded["chunk_hash_hex"]), encoded["model_name"], encoded["kv_rank"],
+                   encoded.get("object_group_id", 0), encoded.get("cache_salt", ""))
+
 
 def mp_object_keys(tokens: Sequence[int], recipe: MPKeyRecipe) -> list[list[ObjectKey]]:
     """Per chunk, one ObjectKey per rank (token-addressed APIs use local = global rank)."""
     ranks = [kv_rank(recipe.world_size, rank) for rank in range(recipe.world_size)]
     return [[ObjectKey(chunk_hash, recipe.model_name, rank, recipe.object_group_id, recipe.cache_salt) for rank in ranks]
             for chunk_hash in mp_chunk_hashes(tokens, recipe)]
+
+
+def parse_object_key(text: str) -> ObjectKey | None:
+    """Reverse of native_key and fs_file_name (either form); None when `text` is no MP chunk key, so
+    that stray files and foreign Redis keys that happen to look alike are never taken for chunks."""
+    fs_form = text.endswith(".data")
+    parts = text.removesuffix(".data").split("@")
+    if len(parts) not in (4, 5) or not parts[0]:
+        return None
+    model, rank, group, chunk_hash = parts[:4]
+    if fs_form:
+        model, rank = model.replace("-SEP-", "/"), rank.removeprefix("0x")
+    try:
+        if len(rank) != 8 or not chunk_hash or len(chunk_hash) % 2:
+            return None
+        return ObjectKey(bytes.fromhex(chunk_hash), model, int(rank, 16), int(group, 16),
+                         parts[4] if len(parts) == 5 else "")
+    except ValueError:
+        return None

@@ -1,8 +1,10 @@
 """`kvctl ls`: the chunks each tier holds, with size, pin state and age where known, and totals per tier.
 
 A live in-process engine answers for its CPU and disk tiers through kvctl's routes (the only view
-that knows pins); Redis, and the disk directory when no engine runs, are read directly. Nothing
-here reads a value, pins a chunk or moves it in an eviction order.
+that knows pins); an MP server answers for its L1 (cpu) tier through kvctl's MP routes; Redis, and
+the disk directory when no engine runs, are read directly. MP chunks are named by their native key
+(model@kv_rank@group@hash[@salt]) on every tier, as `kvctl keys` and `kvctl lookup` print them.
+Nothing here reads a value, pins a chunk or moves it in an eviction order.
 """
 
 from __future__ import annotations
@@ -12,16 +14,18 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvctl.core.keys import ObjectKey, parse_object_key
 from kvctl.core.target import DISK_SUFFIXES, REDIS_PATTERNS, REDIS_SUFFIXES, Store
 
-ENGINE_PAGE = 10_000  # the routes' largest page
+ENGINE_PAGE = 10_000  # the routes' largest page (in-process and MP alike)
+EVERYTHING = 2**62
 
 
 @dataclass
 class Chunk:
     key: str
     size: int | None = None
-    pinned: bool | None = None  # held by LMCache's own pin count (None: the source cannot tell)
+    pinned: bool | None = None  # held by LMCache: its pin count, or in MP L1 a reader's lock (None: unknown)
     kvctl_pinned: bool | None = None  # held by a kvctl pin
     age_s: float | None = None  # since it was written, where the source knows
 
@@ -71,22 +75,53 @@ def from_engine(worker, tier: str, limit: int, model: str | None = None) -> Tier
     return listing
 
 
-def from_directory(store: Store, limit: int, model: str | None = None) -> TierListing:
-    """A disk tier's files, oldest first (file name = key + suffix; size and age from the file)."""
+def from_mp_l1(url: str, limit: int, model: str | None = None) -> TierListing:
+    """The MP server's L1 through kvctl's MP routes, oldest write first; `pinned` = a reader holds it."""
+    from kvctl.clients.mp_server import MPServerClient
+
+    with MPServerClient(url) as server:
+        entries, total = l1_entries(server, model, limit)
+    return TierListing("cpu", "server", total, [Chunk(ObjectKey.from_encoded(entry["key"]).native_key(), entry["size"],
+                                                      entry["locked"]) for entry in entries])
+
+
+def l1_entries(server, model: str | None, limit: int = EVERYTHING) -> tuple[list[dict[str, Any]], int]:
+    """(the first `limit` L1 objects, of `model` or all: {"key": encoded, "size", "locked"}; how many)."""
+    entries: list[dict[str, Any]] = []
+    offset, total = 0, 0
+    while offset is not None and len(entries) < limit:
+        page = server.keys(offset, min(ENGINE_PAGE, limit - len(entries)), model)
+        entries.extend(page["keys"])
+        total, offset = page["total"], page["next_offset"]
+    return entries, total
+
+
+def disk_chunks(store: Store, model: str | None = None) -> dict[str, str]:
+    """{chunk key: file name} of a disk tier; files that name no chunk are left out."""
     from kvctl.clients.disk_tier import DiskTier
 
     suffix = DISK_SUFFIXES[store.layout]
-    found = []
+    found = {}
     for name in DiskTier(store.directories, suffix).names():
-        key = name[: -len(suffix)]
-        if _matches(key, model):
-            found.append(key)
+        if store.layout == "mp-fs":
+            parsed = parse_object_key(name)
+            key = parsed.native_key() if parsed else None
+        else:
+            key = name[: -len(suffix)]
+        if key is not None and _matches(key, model):
+            found[key] = name
+    return found
+
+
+def from_directory(store: Store, limit: int, model: str | None = None) -> TierListing:
+    """A disk tier's chunk files, oldest first (size and age from the file)."""
+    found = disk_chunks(store, model)
     now = time.time()
     entries = []
     for directory in store.directories:
-        for key in found:
+        for key, name in found.items():
             try:
-                info = os.stat(os.path.join(directory, key + suffix))
+                info = os.stat(os.path.join(directory, name))
             except OSError:
                 continue
             entries.append(Chunk(key, info.st_size, age_s=round(max(0.0, now - info.st_mtime), 1)))
@@ -98,13 +133,20 @@ def from_redis(store: Store, limit: int, model: str | None = None) -> TierListin
     """LMCache's chunks in Redis, found by SCAN; sizes by STRLEN of the value key (never a GET)."""
     from kvctl.clients.redis_tier import RedisTier
 
-    suffix = REDIS_SUFFIXES[store.layout]
     with RedisTier(store.redis) as redis:
-        names, total = redis.scan(redis_pattern(store.layout, model), limit, count_all=True)
-        keys = [name[: len(name) - len(suffix)] for name in names]
+        keys, total = scan_chunks(redis, store.layout, model, limit)
         value_names = [key + "kv_bytes" for key in keys] if store.layout == "lmcache-redis" else keys
         sizes = redis.value_sizes(value_names)
     return TierListing(store.tier, "redis", total, [Chunk(key, size) for key, size in zip(keys, sizes)])
+
+
+def scan_chunks(redis, layout: str, model: str | None, limit: int) -> tuple[list[str], int]:
+    """(the first `limit` chunk keys in Redis, of `model` or all; how many there are)."""
+    if layout == "mp-resp":  # its glob also matches foreign keys with three '@': keep only chunk keys
+        keys = [name for name in redis.scan(redis_pattern(layout, model), EVERYTHING)[0] if parse_object_key(name)]
+        return keys[:limit], len(keys)
+    names, total = redis.scan(redis_pattern(layout, model), limit, count_all=True)
+    return [name.removesuffix(REDIS_SUFFIXES[layout]) for name in names], total
 
 
 def redis_pattern(layout: str, model: str | None) -> str:
@@ -150,12 +192,17 @@ def store_lister(store: Store, limit: int, model: str | None):
     return lambda: (from_directory if store.layout in DISK_SUFFIXES else from_redis)(store, limit, model)
 
 
-def engine_listers(worker, tiers: list[str] | None, limit: int, model: str | None) -> dict[str, Any]:
+def selected(tier: str, tiers: list[str] | None) -> bool:
+    return not tiers or "all" in tiers or tier in tiers
+
+
+def engine_listers(worker, info: dict[str, Any], tiers: list[str] | None, limit: int,
+                   model: str | None) -> dict[str, Any]:
     """Listers for a live in-process engine's tiers: CPU and disk from the engine, Redis directly."""
     listers: dict[str, Any] = {}
-    for entry in worker.info()["tiers"]:
+    for entry in info["tiers"]:
         tier = entry["tier"]
-        if tiers and "all" not in tiers and tier not in tiers:
+        if not selected(tier, tiers):
             continue
         if tier in ("cpu", "disk"):
             listers[tier] = lambda tier=tier: from_engine(worker, tier, limit, model)
@@ -177,8 +224,7 @@ def redis_tier_keys(store: Store, model: str) -> list[str]:
     from kvctl.clients.redis_tier import RedisTier
 
     with RedisTier(store.redis) as redis:
-        names, _total = redis.scan(redis_pattern(store.layout, model), 2**62)
-    return [name.removesuffix(REDIS_SUFFIXES[store.layout]) for name in names]
+        return scan_chunks(redis, store.layout, model, EVERYTHING)[0]
 
 
 def unlink_chunks(store: Store, keys: list[str]) -> None:
@@ -219,17 +265,32 @@ def evict_from_instance(worker, *, tiers: list[str] | None, everything: bool, dr
     return result
 
 
+def store_listers(stores: list[Store], tiers: list[str] | None, limit: int, model: str | None) -> dict[str, Any]:
+    return {store.tier: store_lister(store, limit, model) for store in stores if selected(store.tier, tiers)}
+
+
 def list_stores(stores: list[Store], tiers: list[str] | None, limit: int, model: str | None) -> Listing:
-    chosen = [store for store in stores if not tiers or "all" in tiers or store.tier in tiers]
-    return collect({store.tier: store_lister(store, limit, model) for store in chosen})
+    return collect(store_listers(stores, tiers, limit, model))
+
+
+def config_stores(config_dir) -> list[Store]:
+    """The stores a configuration names (none known without one; for an MP server, its L2)."""
+    from kvctl.core.target import read_deployment
+
+    return read_deployment(config_dir).stores if config_dir else []
 
 
 def list_instance(instance, tiers: list[str] | None, limit: int, model: str | None) -> Listing:
-    """A running instance's tiers: through its engine's routes (in-process), or its configuration's stores."""
+    """A running instance's tiers: through its engine's routes (in-process); an MP server's L1 through
+    its routes and the L2 stores of its configuration; else the configuration's stores."""
     from kvctl.clients.internal_api import InternalAPIClient
-    from kvctl.core.target import read_deployment
 
-    if instance.worker:
+    url = instance.mp_http
+    if instance.mode != "mp" and instance.worker:
         with InternalAPIClient(instance.worker) as worker:
-            return collect(engine_listers(worker, tiers, limit, model))
-    return list_stores(read_deployment(instance.config_dir).stores, tiers, limit, model)
+            info = worker.info()
+            if info.get("engine") != "mp":
+                return collect(engine_listers(worker, info, tiers, limit, model))
+        url = instance.worker  # an MP server's URL given as --instance
+    listers = {"cpu": lambda: from_mp_l1(url, limit, model)} if url and selected("cpu", tiers) else {}
+    return collect({**listers, **store_listers(config_stores(instance.config_dir), tiers, limit, model)})

@@ -8,6 +8,9 @@ the routes on the running HTTP app and adds no request-plane module. The lookup 
 L1 managers' object table (`L1Manager.get_object_state`, a dict read): it reads no value, takes no
 lock on any object and never touches the eviction order, unlike the request plane's `lookup`,
 which prefetches and read-locks. Keys come from the server's own TokenHasher and key resolver.
+The key listing copies the L1 object table under the manager's own mutex (the same brief hold
+`get_object_state` takes) and reads each object's size and read-lock state: no value, no lock on an
+object, no eviction-order touch.
 """
 
 from __future__ import annotations
@@ -137,9 +140,40 @@ def lookup(engine, body: dict[str, Any]) -> dict[str, Any]:
             "chunks": chunks, "tiers_checked": ["cpu"]}
 
 
+MAX_PAGE = 10_000
+
+
+def l1_keys(engine, query: dict[str, Any]) -> dict[str, Any]:
+    """A page of the L1 objects (of one model, if given), oldest write first: encoded key, size, and
+    whether a reader holds it (the objects /cache/objects deletes only with force)."""
+    try:
+        offset, limit = int(query.get("offset", 0)), int(query.get("limit", 1000))
+    except ValueError:
+        raise BadRequest("offset and limit must be integers") from None
+    if query.get("tier", "cpu") != "cpu" or offset < 0 or not 1 <= limit <= MAX_PAGE:
+        raise BadRequest(f"tier must be cpu, offset >= 0 and limit 1..{MAX_PAGE}")
+    model = query.get("model")
+    entries = []
+    for manager in _l1_managers(engine.context.storage_manager):
+        with manager._lock:
+            entries.extend(manager._objects.items())
+    if model:
+        entries = [(key, state) for key, state in entries if key.model_name == model]
+    page = entries[offset:offset + limit]
+    end = offset + len(page)
+    return {"tier": "cpu", "total": len(entries), "next_offset": end if end < len(entries) else None,
+            "keys": [{"key": dataclasses.asdict(key.to_encoded_object_key()), "size": state.memory_obj.get_size(),
+                      "locked": state.read_lock.is_locked()} for key, state in page]}
+
+
 @router.get("/info")
 def info_route(request: Request) -> JSONResponse:
     return _handle(request, info)
+
+
+@router.get("/keys")
+def keys_route(request: Request) -> JSONResponse:
+    return _handle(request, l1_keys, dict(request.query_params))
 
 
 @router.post("/lookup")

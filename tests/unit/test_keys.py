@@ -13,6 +13,7 @@ from kvctl.core.keys import (
     key_string,
     kv_rank,
     parse_key,
+    parse_object_key,
 )
 
 
@@ -53,6 +54,17 @@ def test_mp_names():
     assert key.fs_file_name() == "-SEP-models-SEP-tiny@0x01000100@0@abababab.data"
     assert key.native_key() == "/models/tiny@01000100@0@abababab"
     assert ObjectKey(b"\x01", "m", 1, cache_salt="s").native_key() == "m@00000001@0@01@s"
+
+
+
+def test_mp_keys_parse_back_from_either_name_and_nothing_else_does():
+    for key in (ObjectKey(bytes.fromhex("ab" * 32), "/models/tiny", kv_rank(2, 1), 3, "tenant"),
+                ObjectKey(b"\x01", "m", kv_rank(1, 0))):
+        assert parse_object_key(key.native_key()) == key == parse_object_key(key.fs_file_name())
+        assert ObjectKey.from_encoded(key.encoded()) == key
+    for foreign in ("README.data", "notes@a@b@c.data", "session:42", "m@00000001@0@zz", "m@1@0@ab", "@00000001@0@ab",
+                    "m@00000001@0@ab@s@x"):
+        assert parse_object_key(foreign) is None, foreign
 
 
 def test_dtype_names():

@@ -1,0 +1,146 @@
+"""`kvctl evict` and `kvctl pin/unpin/pins` for an MP instance (`lmcache server`).
+
+L1 (cpu) is listed through kvctl's MP routes (with each object's reader lock) and emptied with the
+server's DELETE /cache/objects, which reports what it deleted and what it kept locked (/cache/clear
+reports no counts and would take every model). L2 (fs, resp) is planned from what the stores
+actually hold (only chunk files and chunk keys: stray files and foreign Redis keys never match)
+and deleted through the server's own adapter, so its usage accounting stays right; what is gone is
+checked afterwards. Pins live in the LMCache coordinator: they hold chunks in L2 only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvctl.core.errors import ServerError, UsageError
+from kvctl.core.keys import ObjectKey, parse_object_key
+from kvctl.core.listing import disk_chunks, l1_entries, redis_tier_keys
+from kvctl.core.target import Store
+
+ADAPTER_TYPES = {"mp-fs": "fs", "mp-resp": "resp"}
+DELETE_BATCH = 10_000  # the most keys DELETE /cache/objects takes at once
+NO_COORDINATOR = "pins are not supported in MP mode without an LMCache coordinator"
+COORDINATOR_HINT = ("start 'lmcache coordinator' and pass --coordinator URL, or set 'coordinator: URL' in "
+                    "kvctl.yaml")
+
+
+@dataclass
+class MPTarget:
+    url: str  # the MP server's HTTP API
+    stores: list[Store]  # its L2 stores, from its configuration
+    model: str | None  # the model whose chunks a whole-tier eviction takes (None: the one registered)
+    coordinator: str | None = None
+
+
+def registered_model(server, model: str | None) -> tuple[str, int]:
+    """(model, world size): the given model, or the only one vLLM has registered with the server."""
+    models = {entry["model"]: entry["world_size"] for entry in server.info()["models"]}
+    if model:
+        return model, models.get(model, 1)
+    if len(models) != 1:
+        raise UsageError(f"which model? the server has {'registered ' + ', '.join(models) if models else 'no model registered'}",
+                         hint="pass --model with the value of vLLM's --model")
+    return next(iter(models.items()))
+
+
+def coordinator_pins(url: str, model: str | None = None) -> list[dict[str, Any]]:
+    """The coordinator's pinned keys ({"key": native key, "pin_count"}), of `model` or all."""
+    from kvctl.clients.coordinator import CoordinatorClient
+
+    with CoordinatorClient(url) as coordinator:
+        return [{"key": ObjectKey.from_encoded(pin["key"]).native_key(), "pin_count": pin["pin_count"]}
+                for pin in coordinator.pins(model)]
+
+
+def evict(target: MPTarget, *, tiers: list[str] | None, dry_run: bool, force: bool = False,
+          tokens: list[int] | None = None, keys: list[str] | None = None) -> dict[str, Any]:
+    """Evict a prompt's chunks, given keys, or (neither) every chunk of the target's model, from the
+    chosen tiers. Locked L1 objects and coordinator-pinned L2 chunks stay unless `force`."""
+    from kvctl.clients.mp_server import MPServerClient
+
+    present = ["cpu"] + [store.tier for store in target.stores]
+    chosen = present if not tiers or "all" in tiers else tiers
+    missing = [tier for tier in chosen if tier not in present]
+    if missing:
+        raise UsageError(f"this MP instance has no {', '.join(missing)} tier (it has {', '.join(present)})",
+                         hint="kvctl ls shows its tiers")
+    result: dict[str, Any] = {"dry_run": dry_run, "removed": {}, "skipped_pinned": {}, "chunks": []}
+    with MPServerClient(target.url) as server:
+        model = target.model if keys is not None else registered_model(server, target.model)[0]  # keys name theirs
+        wanted = _wanted(server, model, tokens, keys)
+        if "cpu" in chosen:
+            _evict_l1(server, wanted, model, dry_run, force, result)
+        pinned = {pin["key"] for pin in coordinator_pins(target.coordinator, model)} \
+            if target.coordinator and not force else set()
+        for store in target.stores:
+            if store.tier in chosen:
+                _evict_l2(server, store, wanted, model, pinned, dry_run, result)
+    return result
+
+
+def _wanted(server, model: str | None, tokens: list[int] | None, keys: list[str] | None) -> list[ObjectKey] | None:
+    """The keys selected: a prompt's (the server's own keys, every object group and rank), given
+    ones, or None for whole tiers."""
+    if tokens is not None:
+        answer = server.lookup(tokens, model)
+        return [ObjectKey.from_encoded(key) for chunk in answer["chunks"] for key in chunk["keys"]]
+    if keys is None:
+        return None
+    parsed = [parse_object_key(key) for key in keys]
+    bad = [key for key, found in zip(keys, parsed) if found is None]
+    if bad:
+        raise UsageError(f"not an MP chunk key: {bad[0]}",
+                         hint="MP keys read model@kv_rank@group@hash[@salt]; kvctl ls and kvctl keys print them")
+    return parsed
+
+
+def _evict_l1(server, wanted: list[ObjectKey] | None, model: str | None, dry_run: bool, force: bool,
+              result: dict[str, Any]) -> None:
+    entries = l1_entries(server, model if wanted is None else None)[0]
+    if wanted is not None:
+        selected = set(wanted)
+        entries = [entry for entry in entries if ObjectKey.from_encoded(entry["key"]) in selected]
+    going = [entry for entry in entries if force or not entry["locked"]]
+    removed, skipped = len(going), len(entries) - len(going)
+    if not dry_run:
+        removed = 0
+        for start in range(0, len(going), DELETE_BATCH):
+            answer = server.delete_objects([entry["key"] for entry in going[start:start + DELETE_BATCH]],
+                                           tier="l1", force=force)
+            removed, skipped = removed + answer["deleted"], skipped + answer["skipped"]
+    result["removed"]["cpu"], result["skipped_pinned"]["cpu"] = removed, skipped
+    result["chunks"].extend({"tier": "cpu", "key": ObjectKey.from_encoded(entry["key"]).native_key()}
+                            for entry in going)
+
+
+def stored(store: Store, model: str | None, names: list[str] | None = None) -> list[str]:
+    """The chunk keys an L2 store holds: all of `model`'s, or those of `names`."""
+    from kvctl.clients.redis_tier import RedisTier
+
+    if store.layout == "mp-fs":
+        held = disk_chunks(store, model if names is None else None)
+        return list(held) if names is None else [name for name in names if name in held]
+    if names is None:
+        return redis_tier_keys(store, model)
+    with RedisTier(store.redis) as redis:
+        return [name for name, held in zip(names, redis.exists(names)) if held]
+
+
+def _evict_l2(server, store: Store, wanted: list[ObjectKey] | None, model: str | None, pinned: set[str],
+              dry_run: bool, result: dict[str, Any]) -> None:
+    held = stored(store, model, None if wanted is None else list(dict.fromkeys(key.native_key() for key in wanted)))
+    going = [key for key in held if key not in pinned]
+    if going and not dry_run:
+        for start in range(0, len(going), DELETE_BATCH):
+            answer = server.delete_objects([parse_object_key(key).encoded() for key in going[start:start + DELETE_BATCH]],
+                                           tier="l2", adapter=ADAPTER_TYPES[store.layout])
+            if not answer["ok"]:
+                raise ServerError(f"the server's {ADAPTER_TYPES[store.layout]} adapter failed to delete: "
+                                  f"{answer.get('error')}", hint="check the LMCache server's log")
+        left = stored(store, model, going)
+        if left:
+            raise ServerError(f"{len(left)} of {len(going)} chunks are still in the {store.tier} tier after the "
+                              f"server's delete (first: {left[0]})", hint="check the LMCache server's log")
+    result["removed"][store.tier], result["skipped_pinned"][store.tier] = len(going), len(held) - len(going)
+    result["chunks"].extend({"tier": store.tier, "key": key} for key in going)
