@@ -31,8 +31,8 @@ def bash_complete(*words, path=None, env=None, cwd=None):
 
 @pytest.mark.parametrize(("words", "expected"), [
     (["kvctl", "con"], ["config"]),
-    (["kvctl", ""], ["serve", "prewarm", "lookup", "keys", "pin", "unpin", "pins", "evict", "version", "config", "model",
-                     "completion"]),
+    (["kvctl", ""], ["serve", "prewarm", "lookup", "keys", "ls", "pin", "unpin", "pins", "evict", "health", "stats",
+                     "top", "version", "config", "model", "completion"]),
     (["kvctl", "config", ""], ["init", "validate", "show"]),
     (["kvctl", "config", "init", "--mo"], ["--mode", "--model"]),
     (["kvctl", "config", "init", "--mode", ""], ["inprocess", "mp"]),
@@ -102,7 +102,7 @@ _kvctl
 
 
 @pytest.mark.parametrize(("words", "expected"), [
-    (["kvctl", "co"], "serve prewarm lookup keys pin unpin pins evict version config model completion"),
+    (["kvctl", "co"], "serve prewarm lookup keys ls pin unpin pins evict health stats top version config model completion"),
     (["kvctl", "config", "init", "--mode", ""], "inprocess mp"),
     (["kvctl", "config", "init", "--out", ""], "<files -/>"),
     (["kvctl", "config", "validate", ""], "<files >"),
