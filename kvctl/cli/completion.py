@@ -16,7 +16,7 @@ app = typer.Typer(help="Shell completion scripts for bash, zsh and fish.", no_ar
 
 EVERYWHERE = ("--format", "--debug", "-q", "--quiet")  # root options that kvctl accepts after any command
 ROOT_ONLY = ("--show-completion", "--install-completion")
-DYNAMIC_VALUES = {"--model": "models"}
+DYNAMIC_VALUES = {"--model": "models", "--instance": "instances"}
 HELP = ("-h", "--help")
 
 

@@ -71,6 +71,16 @@ def test_dynamic_values_call_back_into_kvctl(tmp_path):
         str(cache / "models" / "tiny")]
 
 
+def test_instance_names_come_from_the_inventory_and_running_serves(tmp_path):
+    cache = tmp_path / "cache"
+    (cache / "serve" / "blue").mkdir(parents=True)
+    (cache / "serve" / "blue" / "state.json").write_text("{}")
+    (tmp_path / "kvctl.yaml").write_text("instances:\n  node-a: {internal_api: http://127.0.0.1:7001}\n")
+    completed = bash_complete("kvctl", "health", "--instance", "", path=f"{VENV_BIN}:/usr/bin:/bin",
+                              env={"KVCTL_CACHE_DIR": str(cache)}, cwd=tmp_path)
+    assert completed == ["all", "node-a", "blue"]
+
+
 def fish_complete(line):
     done = subprocess.run(["fish", "--no-config", "-c", f"source {SCRIPTS / 'kvctl.fish'}; complete -C {line!r}"],
                           capture_output=True, text=True, env={"PATH": f"{VENV_BIN}:/usr/bin:/bin", "HOME": os.environ["HOME"]})
