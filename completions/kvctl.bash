@@ -37,7 +37,7 @@ _kvctl_complete() {
             "prewarm") valued=" --concurrency --from-tier --instance --vllm-url --state --format " ;;
             "lookup") valued=" --prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --instance --state --format " ;;
             "keys") valued=" --prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --format " ;;
-            "ls") valued=" --tier --model --limit --config --instance --state --inventory --format " ;;
+            "ls") valued=" --tier --model --limit --config --instance --state --inventory --timeout --format " ;;
             "pin") valued=" --prompt-file --chat --tokens-file --model --vllm-url --ttl --tier --instance --state --coordinator --format " ;;
             "unpin") valued=" --pin-id --prompt-file --chat --tokens-file --model --vllm-url --instance --state --coordinator --format " ;;
             "pins") valued=" --instance --state --coordinator --model --format " ;;
@@ -107,6 +107,7 @@ _kvctl_complete() {
             "ls|--instance") COMPREPLY=($(kvctl complete-values instances "$cur" 2>/dev/null)); return ;;
             "ls|--state") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "ls|--inventory") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "ls|--timeout") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "ls|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
             "pin|--prompt-file") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "pin|--chat") COMPREPLY=($(compgen -f -- "$cur")); return ;;
@@ -196,7 +197,7 @@ _kvctl_complete() {
             "prewarm") words="--chat --concurrency --from-tier --instance --vllm-url --state --format --debug -q --quiet -h --help" ;;
             "lookup") words="--prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --instance --offline --state --format --debug -q --quiet -h --help" ;;
             "keys") words="--prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --format --debug -q --quiet -h --help" ;;
-            "ls") words="--tier --model --limit --config --instance --state --inventory --format --debug -q --quiet -h --help" ;;
+            "ls") words="--tier --model --limit --config --instance --state --inventory --timeout --format --debug -q --quiet -h --help" ;;
             "pin") words="--prompt-file --chat --tokens-file --model --vllm-url --ttl --tier --instance --state --coordinator --format --debug -q --quiet -h --help" ;;
             "unpin") words="--pin-id --prompt-file --chat --tokens-file --model --vllm-url --all --instance --state --coordinator --format --debug -q --quiet -h --help" ;;
             "pins") words="--instance --state --coordinator --model --format --debug -q --quiet -h --help" ;;

@@ -23,15 +23,18 @@ from kvctl.cli.lookup import (
     VllmOption,
     load_tokens,
 )
-from kvctl.cli.observe import FleetInstance, InventoryOption, report_errors
-from kvctl.cli.options import Tier
-from kvctl.core.errors import ExitCode, UsageError
+from kvctl.cli.observe import report_errors
+from kvctl.cli.options import (
+    FleetInstance,
+    InstanceOption,
+    InventoryOption,
+    StateOption,
+    Tier,
+    TimeoutOption,
+)
+from kvctl.core.errors import ExitCode, KvctlError, UsageError
 from kvctl.output import Table
 
-InstanceOption = Annotated[str | None, typer.Option("--instance", help="A 'kvctl serve --name' name, or the internal "
-                                                    "API URL of worker 0.")]
-StateOption = Annotated[Path | None, typer.Option("--state", help="The state file of a 'kvctl serve' (default: the "
-                                                  "most recent one).")]
 TierOption = Annotated[list[Tier] | None, typer.Option("--tier", help="cpu, disk, redis or all (repeatable).")]
 CoordinatorOption = Annotated[str | None, typer.Option("--coordinator", help="MP mode: the LMCache coordinator's URL, "
                                                        "where pins live (default: 'coordinator:' in kvctl.yaml).")]
@@ -47,28 +50,21 @@ def parse_duration(text: str) -> float:
 
 
 def _instance(instance: str | None, state: Path | None, vllm_url: str | None = None):
-    """(worker 0's client and info, or None and None for an MP instance; the instance). An MP server
-    given by its URL is told apart by its kvctl routes' answer."""
-    from dataclasses import replace
-
+    """(worker 0's client and info, or None and None for an MP instance; the instance)."""
     from kvctl.clients.internal_api import InternalAPIClient
-    from kvctl.core.instances import resolve
+    from kvctl.core.instances import identify, resolve
 
     if instance == "all":
         raise UsageError("pins and evictions address one instance", hint="name it with --instance")
-    found = resolve(instance, state)[0]
+    found = identify(resolve(instance, state)[0])
     found.vllm = vllm_url or found.vllm
     if found.mode != "mp" and found.worker:
         worker = InternalAPIClient(found.worker)
         try:
-            info = worker.info()
-        except BaseException:
+            return worker, worker.info(), found
+        except KvctlError:
             worker.close()
             raise
-        if info.get("engine") != "mp":
-            return worker, info, found
-        worker.close()
-        found = replace(found, mode="mp", mp_http=found.worker)
     if not found.mp_http:
         raise UsageError(f"the HTTP URL of the MP instance {found.name}'s server is unknown",
                          hint="pass --instance with the lmcache server's HTTP URL")
@@ -89,11 +85,10 @@ def _mp_model(found, model: str | None) -> tuple[str, int]:
         return registered_model(server, model or found.model)
 
 
-def _coordinator(url: str | None) -> str:
-    from kvctl.core.instances import inventory_value
-    from kvctl.core.mp_cache import COORDINATOR_HINT, NO_COORDINATOR
+def _coordinator(url: str | None, found) -> str:
+    from kvctl.core.mp_cache import COORDINATOR_HINT, NO_COORDINATOR, coordinator_url
 
-    url = url or inventory_value("coordinator")
+    url = coordinator_url(url, found.config_dir)
     if not url:
         raise UsageError(NO_COORDINATOR, hint=COORDINATOR_HINT)
     return url
@@ -111,7 +106,7 @@ def ls(
     limit: Annotated[int, typer.Option("--limit", min=1, help="At most this many chunks listed per tier (totals "
                                        "count them all).")] = 100,
     config: ConfigOption = None, instance: FleetInstance = None, state: StateOption = None,
-    inventory: InventoryOption = None,
+    inventory: InventoryOption = None, timeout: TimeoutOption = 30.0,
 ) -> None:
     """List cached chunks per tier: key, size, pin state, age where known; totals per tier.
 
@@ -136,20 +131,12 @@ def ls(
         target = targets[0] if config is None else replace(targets[0], config_dir=str(config))
         render_listing(out, listing.list_instance(target, selected, limit, model))
         return
-    outcomes = fleet.fan_out(targets, lambda target: listing.list_instance(target, selected, limit, model))
-    reports, items = [], []
-    for outcome in outcomes:
-        found = outcome.result
-        if found:
-            reports.append({"instance": outcome.instance, **found.as_dict()})
-            items.extend(_listing_tables(found, title=outcome.instance))
-        else:
-            reports.append({"instance": outcome.instance, "tiers": [], "errors": {"instance": outcome.error},
-                            "hint": outcome.hint})
-    out.emit({"instances": reports}, items)
+    outcomes = fleet.fan_out(targets, lambda target: listing.list_instance(target, selected, limit, model), timeout)
+    reports, code = fleet.fleet_reports(outcomes, lambda found: found.as_dict())
+    out.emit({"instances": reports}, [table for outcome in outcomes if outcome.error is None
+                                      for table in _listing_tables(outcome.result, title=outcome.instance)])
     report_errors(out, reports)
-    code = fleet.fleet_exit_code(outcomes)
-    raise typer.Exit(ExitCode.PARTIAL if code == ExitCode.OK and any(r["errors"] for r in reports) else code)
+    raise typer.Exit(code)
 
 
 def _listing_tables(result, title: str | None = None) -> list:
@@ -208,7 +195,7 @@ def _mp_pin(out, action: str, found, coordinator, prompt_file, chat, tokens_file
     """Pin or unpin a prompt through the coordinator, which hashes the tokens itself."""
     from kvctl.clients.coordinator import CoordinatorClient
 
-    url = _coordinator(coordinator)
+    url = _coordinator(coordinator, found)
     name, world_size = _mp_model(found, model)
     token_ids = _tokens(name, prompt_file, chat, tokens_file, model, found.vllm)
     with CoordinatorClient(url) as client:
@@ -251,11 +238,11 @@ def pins(ctx: typer.Context, instance: InstanceOption = None, state: StateOption
          coordinator: CoordinatorOption = None,
          model: Annotated[str | None, typer.Option("--model", help="MP: only pins of this model.")] = None) -> None:
     """List the pins: kvctl's on an in-process instance; the coordinator's pinned keys in MP mode."""
-    worker, _info, _found = _instance(instance, state)
+    worker, _info, found = _instance(instance, state)
     if worker is None:
         from kvctl.core.mp_cache import coordinator_pins
 
-        listed = coordinator_pins(_coordinator(coordinator), model)
+        listed = coordinator_pins(_coordinator(coordinator, found), model)
         ctx.obj.emit({"pins": listed}, [Table(["key", "pins"], [(p["key"], p["pin_count"]) for p in listed])])
         return
     with worker:
@@ -290,10 +277,10 @@ def evict(
     worker, info, found = _instance(instance, state, vllm_url)
     tiers = tier_names(tier)
     if worker is None:
-        from kvctl.core import instances, listing, mp_cache
+        from kvctl.core import listing, mp_cache
 
         target = mp_cache.MPTarget(found.mp_http, listing.config_stores(config or found.config_dir), model or found.model,
-                                   coordinator or instances.inventory_value("coordinator"))
+                                   mp_cache.coordinator_url(coordinator, config or found.config_dir))
         selection = {"tiers": tiers, "force": force, "keys": key}
         if prompt_given:
             selection["tokens"] = _tokens(target.model or _mp_model(found, None)[0], prompt_file, chat, tokens_file,
@@ -316,7 +303,7 @@ def _evict_confirmed(out, run, dry_run: bool, yes: bool) -> None:
     planned = run(True)
     total = sum(planned["removed"].values())
     if dry_run or total == 0:
-        result = planned
+        result = {**planned, "dry_run": dry_run}
     else:
         if not yes:
             if not sys.stdin.isatty():

@@ -3,22 +3,13 @@ instance or a fleet (`--instance all` with a kvctl.yaml inventory)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
+from kvctl.cli.options import FleetInstance, InventoryOption, StateOption, TimeoutOption
 from kvctl.core.errors import ExitCode
 from kvctl.output import Table
-
-FleetInstance = Annotated[str | None, typer.Option(
-    "--instance", help="'all' (every instance of the inventory), an inventory or 'kvctl serve --name' name, or the "
-    "internal API URL of worker 0 (default: the most recent kvctl serve).")]
-StateOption = Annotated[Path | None, typer.Option("--state", help="The state file of a 'kvctl serve'.")]
-InventoryOption = Annotated[Path | None, typer.Option(
-    "--inventory", help="A kvctl.yaml fleet inventory (default: $KVCTL_INVENTORY, ./kvctl.yaml, "
-    "~/.config/kvctl/kvctl.yaml).")]
-TimeoutOption = Annotated[float, typer.Option("--timeout", min=0.1, help="Seconds each instance gets.")]
 
 
 def health(ctx: typer.Context, instance: FleetInstance = None, state: StateOption = None,
@@ -78,11 +69,7 @@ def stats_frame(instance, state, inventory, timeout) -> tuple[dict[str, Any], li
     from kvctl.core.observe import instance_stats
 
     outcomes = fleet.fan_out(fleet.resolve(instance, state, inventory), instance_stats, timeout)
-    reports = [outcome.result or {"instance": outcome.instance, "errors": {"instance": outcome.error},
-                                  "hint": outcome.hint} for outcome in outcomes]
-    code = fleet.fleet_exit_code(outcomes)
-    if code == ExitCode.OK and any(report.get("errors") for report in reports):
-        code = ExitCode.PARTIAL
+    reports, code = fleet.fleet_reports(outcomes, lambda stats: stats)
     return {"instances": reports}, [item for report in reports for item in _stats_tables(report)], code
 
 
@@ -131,8 +118,14 @@ def top(ctx: typer.Context, instance: FleetInstance = None, state: StateOption =
     health_code = [ExitCode.OK]
 
     def frame() -> tuple[dict[str, Any], list]:
-        health_payload, health_items, health_code[0] = health_frame(instance, state, inventory, timeout)
-        stats_payload, stats_items, _ = stats_frame(instance, state, inventory, timeout)
+        """Health and stats side by side: a frame takes one --timeout at most, not two."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(2) as pool:
+            health_run = pool.submit(health_frame, instance, state, inventory, timeout)
+            stats_run = pool.submit(stats_frame, instance, state, inventory, timeout)
+            health_payload, health_items, health_code[0] = health_run.result()
+            stats_payload, stats_items, _ = stats_run.result()
         return {"health": health_payload, "stats": stats_payload}, [*health_items, *stats_items]
 
     out = ctx.obj

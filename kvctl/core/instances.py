@@ -13,16 +13,18 @@ Inventory (`kvctl.yaml`; `--inventory`, `$KVCTL_INVENTORY`, `./kvctl.yaml`, or t
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor, wait
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from kvctl.core.errors import ExitCode, KvctlError, UsageError
+from kvctl.core.errors import ExitCode, KvctlError, UnreachableError, UsageError
 from kvctl.core.paths import config_home
 
 INVENTORY_FILE = "kvctl.yaml"
 DEFAULT_FANOUT_TIMEOUT_S = 30.0
+IDENTIFY_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -35,6 +37,7 @@ class Instance:
     mp_http: str | None = None
     config_dir: str | None = None
     model: str | None = None
+    problem: str | None = None  # why a fleet member could not be found
 
     @property
     def worker(self) -> str | None:
@@ -74,11 +77,10 @@ def read_inventory(path: Path) -> dict[str, Any]:
     except (OSError, yaml.YAMLError) as error:
         raise KvctlError(f"cannot read the inventory {path}: {str(error).splitlines()[0]}",
                          hint="fix the YAML; see 'kvctl health --help' for its shape") from None
-    instances = data.get("instances") if isinstance(data, dict) else None
-    if not isinstance(instances, dict) or not instances:
-        raise KvctlError(f"the inventory {path} names no instances",
-                         hint="add an 'instances:' mapping of name -> {state: FILE} or {internal_api: URL}")
-    return data
+    if not isinstance(data, dict) or not isinstance(data.get("instances") or {}, dict):
+        raise KvctlError(f"the inventory {path} is not a mapping with an 'instances:' mapping",
+                         hint="see 'kvctl health --help' for its shape")
+    return {**data, "instances": data.get("instances") or {}}
 
 
 def _from_inventory(name: str, entry: Any, path: Path) -> Instance:
@@ -110,13 +112,38 @@ def resolve(instance: str | None, state: Path | None = None, inventory: Path | N
     path = find_inventory(inventory)
     entries = read_inventory(path)["instances"] if path else {}
     if instance == "all":
-        if not path:
-            raise UsageError("--instance all needs an inventory", hint=f"write {INVENTORY_FILE} (see 'kvctl health "
-                             "--help') or pass --inventory FILE")
-        return [_from_inventory(name, entry, path) for name, entry in entries.items()]
+        if not entries:
+            raise UsageError("--instance all needs an inventory that names instances", hint=f"write {INVENTORY_FILE} "
+                             "(see 'kvctl health --help') or pass --inventory FILE")
+        return [_member(name, entry, path) for name, entry in entries.items()]
     if instance and instance in entries:
         return [_from_inventory(instance, entries[instance], path)]
     return [from_state(read_state(state, instance), instance)]
+
+
+def _member(name: str, entry: Any, path: Path) -> Instance:
+    """A fleet member; one that cannot be found (a stopped kvctl serve's state file is gone) carries
+    its problem, so that the fan-out reports it and goes on with the others."""
+    try:
+        return _from_inventory(name, entry, path)
+    except KvctlError as error:
+        return Instance(name, problem=error.message)
+
+
+def identify(instance: Instance) -> Instance:
+    """An instance known by one URL is an in-process worker or an MP server: its kvctl routes say which."""
+    from dataclasses import replace
+
+    from kvctl.clients.internal_api import InternalAPIClient
+
+    if instance.mode != "inprocess" or len(instance.internal_api) != 1 or instance.mp_http:
+        return instance
+    with InternalAPIClient(instance.internal_api[0], IDENTIFY_TIMEOUT_S) as server:
+        try:
+            engine = server.info().get("engine")
+        except KvctlError:
+            return instance  # whoever reports on it says what is wrong
+    return replace(instance, mode="mp", internal_api=[], mp_http=instance.internal_api[0]) if engine == "mp" else instance
 
 
 def inventory_value(name: str, inventory: Path | None = None) -> Any:
@@ -140,22 +167,45 @@ class Outcome:
 
 def fan_out(instances: list[Instance], operation: Callable[[Instance], Any],
             timeout: float = DEFAULT_FANOUT_TIMEOUT_S) -> list[Outcome]:
-    """Run `operation` on every instance at once; each gets `timeout` seconds and fails on its own."""
-    pool = ThreadPoolExecutor(max_workers=min(32, max(1, len(instances))), thread_name_prefix="kvctl-fanout")
-    futures = {pool.submit(operation, instance): instance for instance in instances}
-    done, _pending = wait(futures, timeout=timeout)
-    outcomes = []
-    for future, instance in futures.items():
-        if future not in done:
-            outcomes.append(Outcome(instance.name, error=f"no answer in {timeout:.0f} s",
-                                    exit_code=ExitCode.UNREACHABLE, hint="raise --timeout, or check the instance"))
-            continue
+    """Run `operation` on every instance at once; each gets `timeout` seconds and fails on its own.
+
+    Daemon threads: a member that hangs past its time is reported and left behind, never waited for."""
+    outcomes = {instance.name: Outcome(instance.name, error=f"no answer in {timeout:g} s",
+                                       exit_code=ExitCode.UNREACHABLE, hint="raise --timeout, or check the instance")
+                for instance in instances}
+
+    def run(instance: Instance) -> None:
         try:
-            outcomes.append(Outcome(instance.name, future.result()))
+            if instance.problem:
+                raise UnreachableError(instance.problem, hint="start it, or fix its entry in the inventory")
+            outcomes[instance.name] = Outcome(instance.name, operation(instance))
         except KvctlError as error:
-            outcomes.append(Outcome(instance.name, error=error.message, exit_code=error.exit_code, hint=error.hint))
-    pool.shutdown(wait=False, cancel_futures=True)
-    return outcomes
+            outcomes[instance.name] = Outcome(instance.name, error=error.message, exit_code=error.exit_code,
+                                              hint=error.hint)
+        except Exception as error:  # noqa: BLE001 - one member's surprise must not sink the others
+            outcomes[instance.name] = Outcome(instance.name, error=f"unexpected {type(error).__name__}: {error}",
+                                              exit_code=ExitCode.ERROR, hint="rerun for this instance with --debug")
+
+    threads = [threading.Thread(target=run, args=(instance,), daemon=True, name=f"kvctl-{instance.name}")
+               for instance in instances]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return [outcomes[instance.name] for instance in instances]
+
+
+def fleet_reports(outcomes: list[Outcome], payload: Callable[[Any], dict[str, Any]]) -> tuple[list[dict], ExitCode]:
+    """One JSON report per member (its payload, or its failure with the hint), and the exit code of the
+    whole: a member that answered only in part (its own `errors`) makes the whole partial."""
+    reports = [{"instance": outcome.instance, **payload(outcome.result)} if outcome.error is None else
+               {"instance": outcome.instance, "errors": {"instance": outcome.error}, "hint": outcome.hint}
+               for outcome in outcomes]
+    code = fleet_exit_code(outcomes)
+    if code == ExitCode.OK and any(report.get("errors") for report in reports):
+        code = ExitCode.PARTIAL
+    return reports, code
 
 
 def fleet_exit_code(outcomes: list[Outcome]) -> ExitCode:

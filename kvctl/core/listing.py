@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvctl.core.keys import ObjectKey, parse_object_key
+from kvctl.core.keys import ObjectKey, parse_key, parse_object_key
 from kvctl.core.target import DISK_SUFFIXES, REDIS_PATTERNS, REDIS_SUFFIXES, Store
 
 ENGINE_PAGE = 10_000  # the routes' largest page (in-process and MP alike)
@@ -50,9 +50,10 @@ def model_of(key: str) -> str:
     return key.split("@", 1)[0]
 
 
-def _matches(key: str, model: str | None) -> bool:
-    # disk file names carry the model with '/' replaced by '-'
-    return model is None or model_of(key) in (model, model.replace("/", "-"))
+def _matches(key: str, model: str | None, mangled: bool = False) -> bool:
+    """Whether a chunk key belongs to `model`. LocalDiskBackend's file names carry the model with '/'
+    replaced by '-' (`mangled`), so there 'org/m' and a model named 'org-m' cannot be told apart."""
+    return model is None or model_of(key) == (model.replace("/", "-") if mangled else model)
 
 
 def from_engine(worker, tier: str, limit: int, model: str | None = None) -> TierListing:
@@ -107,8 +108,8 @@ def disk_chunks(store: Store, model: str | None = None) -> dict[str, str]:
             parsed = parse_object_key(name)
             key = parsed.native_key() if parsed else None
         else:
-            key = name[: -len(suffix)]
-        if key is not None and _matches(key, model):
+            key = name[: -len(suffix)] if parse_key(name[: -len(suffix)]) else None
+        if key is not None and _matches(key, model, mangled=store.layout == "lmcache-disk"):
             found[key] = name
     return found
 
@@ -118,13 +119,14 @@ def from_directory(store: Store, limit: int, model: str | None = None) -> TierLi
     found = disk_chunks(store, model)
     now = time.time()
     entries = []
-    for directory in store.directories:
-        for key, name in found.items():
+    for key, name in found.items():
+        for directory in store.directories:
             try:
                 info = os.stat(os.path.join(directory, name))
             except OSError:
                 continue
             entries.append(Chunk(key, info.st_size, age_s=round(max(0.0, now - info.st_mtime), 1)))
+            break
     entries.sort(key=lambda chunk: -(chunk.age_s or 0))
     return TierListing(store.tier, "directory", len(entries), entries[:limit])
 
@@ -141,12 +143,17 @@ def from_redis(store: Store, limit: int, model: str | None = None) -> TierListin
 
 
 def scan_chunks(redis, layout: str, model: str | None, limit: int) -> tuple[list[str], int]:
-    """(the first `limit` chunk keys in Redis, of `model` or all; how many there are)."""
-    if layout == "mp-resp":  # its glob also matches foreign keys with three '@': keep only chunk keys
-        keys = [name for name in redis.scan(redis_pattern(layout, model), EVERYTHING)[0] if parse_object_key(name)]
-        return keys[:limit], len(keys)
-    names, total = redis.scan(redis_pattern(layout, model), limit, count_all=True)
-    return [name.removesuffix(REDIS_SUFFIXES[layout]) for name in names], total
+    """(the first `limit` chunk keys in Redis, of `model` or all; how many there are). A glob also
+    matches foreign keys that look alike: only names that parse as chunk keys of `model` count."""
+    parse = parse_object_key if layout == "mp-resp" else parse_key
+    suffix = REDIS_SUFFIXES[layout]
+    keys = []
+    for name in redis.scan(redis_pattern(layout, model), EVERYTHING)[0]:
+        key = name.removesuffix(suffix)
+        parsed = parse(key)
+        if parsed is not None and (model is None or parsed.model_name == model):
+            keys.append(key)
+    return keys[:limit], len(keys)
 
 
 def redis_pattern(layout: str, model: str | None) -> str:
@@ -284,13 +291,12 @@ def list_instance(instance, tiers: list[str] | None, limit: int, model: str | No
     """A running instance's tiers: through its engine's routes (in-process); an MP server's L1 through
     its routes and the L2 stores of its configuration; else the configuration's stores."""
     from kvctl.clients.internal_api import InternalAPIClient
+    from kvctl.core.instances import identify
 
-    url = instance.mp_http
+    instance = identify(instance)
     if instance.mode != "mp" and instance.worker:
         with InternalAPIClient(instance.worker) as worker:
-            info = worker.info()
-            if info.get("engine") != "mp":
-                return collect(engine_listers(worker, info, tiers, limit, model))
-        url = instance.worker  # an MP server's URL given as --instance
+            return collect(engine_listers(worker, worker.info(), tiers, limit, model))
+    url = instance.mp_http
     listers = {"cpu": lambda: from_mp_l1(url, limit, model)} if url and selected("cpu", tiers) else {}
     return collect({**listers, **store_listers(config_stores(instance.config_dir), tiers, limit, model)})

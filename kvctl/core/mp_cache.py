@@ -44,6 +44,17 @@ def registered_model(server, model: str | None) -> tuple[str, int]:
     return next(iter(models.items()))
 
 
+def coordinator_url(explicit: str | None, config_dir: str | None) -> str | None:
+    """Where an MP fleet's pins live: --coordinator, else the inventory's `coordinator:`, else the
+    server's own --coordinator-url from its configuration (so that its pins are never missed)."""
+    from kvctl.core.instances import inventory_value
+    from kvctl.core.target import read_deployment
+
+    if explicit or inventory_value("coordinator"):
+        return explicit or inventory_value("coordinator")
+    return read_deployment(config_dir).values.get("coordinator_url") if config_dir else None
+
+
 def coordinator_pins(url: str, model: str | None = None) -> list[dict[str, Any]]:
     """The coordinator's pinned keys ({"key": native key, "pin_count"}), of `model` or all."""
     from kvctl.clients.coordinator import CoordinatorClient
@@ -71,8 +82,8 @@ def evict(target: MPTarget, *, tiers: list[str] | None, dry_run: bool, force: bo
         wanted = _wanted(server, model, tokens, keys)
         if "cpu" in chosen:
             _evict_l1(server, wanted, model, dry_run, force, result)
-        pinned = {pin["key"] for pin in coordinator_pins(target.coordinator, model)} \
-            if target.coordinator and not force else set()
+        pinned = {pin["key"] for pin in coordinator_pins(target.coordinator, None if keys is not None else model)} \
+            if target.coordinator and not force else set()  # given keys may be of any model
         for store in target.stores:
             if store.tier in chosen:
                 _evict_l2(server, store, wanted, model, pinned, dry_run, result)

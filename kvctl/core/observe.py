@@ -185,7 +185,9 @@ def instance_health(instance, shared_redis: str | None = None) -> list[Check]:
     from kvctl.clients.mp_server import MPServerClient
     from kvctl.clients.offload import OffloadClient
     from kvctl.clients.vllm import VLLMClient
+    from kvctl.core.instances import identify
 
+    instance = identify(instance)
     checks = []
     if instance.vllm:
         checks.append(probe("vllm", instance.vllm, lambda: _call(VLLMClient(instance.vllm, HEALTH_TIMEOUT_S),
@@ -244,7 +246,9 @@ def instance_stats(instance) -> dict[str, Any]:
     """Stats of one instance; a server that does not answer is named in `errors`, the rest still count."""
     from kvctl.clients.internal_api import InternalAPIClient
     from kvctl.clients.vllm import VLLMClient
+    from kvctl.core.instances import identify
 
+    instance = identify(instance)
     errors: dict[str, str] = {}
     texts, info = [], None
     for index, url in enumerate(instance.internal_api[1:] or instance.internal_api):
@@ -253,7 +257,7 @@ def instance_stats(instance) -> dict[str, Any]:
                 info = worker.info() if index == 0 else info
                 texts.append(worker.metrics())
         except KvctlError as error:
-            errors[f"internal_api ({url})"] = error.message
+            errors[f"internal_api_worker_{index}"] = error.message
     stats: dict[str, Any] = {"instance": instance.name, "mode": instance.mode}
     if texts:
         stats["lmcache"] = lmcache_stats(merge_samples(texts), info)

@@ -21,6 +21,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 
 PREFIX = "/kvctl/v1"
 HTTP_SERVER_MODULE = "lmcache.v1.multiprocess.http_server"
@@ -184,4 +185,5 @@ async def lookup_route(request: Request) -> JSONResponse:
         return _error(400, "bad_request", "the request body is not valid JSON")
     if not isinstance(body, dict):
         return _error(400, "bad_request", "the request body must be a JSON object")
-    return _handle(request, lookup, body)
+    # hashing a long prompt takes tens of milliseconds: off the event loop that also answers /healthcheck
+    return await run_in_threadpool(_handle, request, lookup, body)

@@ -79,6 +79,7 @@ def wait_for_l2(server: Server, ids: list[int]) -> None:
     wait_until(lambda: all((server.l2 / name).exists() for name in names), 30, "fs L2 files")
 
 
+@pytest.mark.slow
 def test_lookup_reports_cpu_for_exactly_the_stored_chunks(server, tmp_path):
     prompt = tokens(1, 3 * CHUNK + 100)
     server.store(prompt[:2 * CHUNK])
@@ -102,6 +103,7 @@ def test_lookup_reports_cpu_for_exactly_the_stored_chunks(server, tmp_path):
     assert down.code == 6 and report["tiers_checked"] == ["disk"] and "cpu" in report["errors"]
 
 
+@pytest.mark.slow
 def test_a_server_with_another_chunk_size_is_refused_not_misread(server, tmp_path):
     config = tmp_path / "cfg"
     config.mkdir()
@@ -112,6 +114,7 @@ def test_a_server_with_another_chunk_size_is_refused_not_misread(server, tmp_pat
     assert result.code == 6 and "other chunk keys" in json.loads(result.stdout)["errors"]["cpu"]
 
 
+@pytest.mark.slow
 def test_lookup_takes_no_lock_and_leaves_the_eviction_order_alone(server, tmp_path):
     """Older A, newer B; A is looked up many times; then L1 fills past the watermark. LRU evicts A
     first only if the lookups left it where it was (a touch would move A behind B)."""

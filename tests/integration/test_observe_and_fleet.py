@@ -3,6 +3,7 @@ real redis-server, plus members that are down or hang), and the fault matrix's e
 
 import json
 import socket
+import time
 
 import pytest
 
@@ -31,12 +32,12 @@ def fleet(tmp_path_factory):
     redis = RedisStarter(root)
     server = redis()
     procs = []
+    hung = socket.socket()  # accepts connections and never answers: a member that times out
     try:
         urls = {}
         for name in ("a", "b"):
             proc, urls[name] = start_engine(root, name, server.url)
             procs.append(proc)
-        hung = socket.socket()  # accepts connections and never answers: a member that times out
         hung.bind(("127.0.0.1", free_port(1)))
         hung.listen(8)
         inventory = root / "kvctl.yaml"
@@ -48,10 +49,14 @@ def fleet(tmp_path_factory):
             f"redis: {server.url}\n")
         healthy = root / "healthy.yaml"
         healthy.write_text("\n".join(inventory.read_text().splitlines()[:3]) + "\n")
-        yield {"urls": urls, "inventory": inventory, "healthy": healthy, "redis": server, "root": root,
-               "hung": f"http://127.0.0.1:{hung.getsockname()[1]}"}
-        hung.close()
+        hung_url = f"http://127.0.0.1:{hung.getsockname()[1]}"
+        troubled = root / "troubled.yaml"  # a member that hangs, and one whose kvctl serve has stopped
+        troubled.write_text(f"instances:\n  a: {{internal_api: {urls['a']}}}\n  hung: {{internal_api: {hung_url}}}\n"
+                            f"  gone: {{state: {root / 'stopped' / 'state.json'}}}\n")
+        yield {"urls": urls, "inventory": inventory, "healthy": healthy, "troubled": troubled, "redis": server,
+               "root": root, "hung": hung_url}
     finally:
+        hung.close()
         for proc in procs:
             stop_process(proc, grace=2)  # LMCache 0.5.6 never exits on SIGTERM with a redis:// tier
         redis.stop_all()
@@ -111,8 +116,16 @@ def test_fleet_fan_out_names_the_members_that_fail(fleet):
     assert result.code == 0 and len(report["instances"]) == 2
     result, report = kvctl("ls", "--instance", "all", "--inventory", fleet["healthy"], "--tier", "cpu")
     assert result.code == 0 and [r["instance"] for r in report["instances"]] == ["a", "b"]
-    result, _ = kvctl("health", "--instance", "all")
-    assert result.code == 2 and "needs an inventory" in result.stderr
+    started = time.monotonic()
+    result, report = kvctl("health", "--instance", "all", "--inventory", fleet["troubled"], "--timeout", "3")
+    assert time.monotonic() - started < 10  # the hung member is left behind after its 3 s, not waited for
+    assert result.code == 6
+    failed = {i["instance"]: i["checks"][0]["detail"] for i in report["instances"] if not i["healthy"]}
+    assert set(failed) == {"hung", "gone"} and "no answer in 3 s" in failed["hung"]
+    assert "no kvctl serve state" in failed["gone"]
+    nowhere = run_kvctl("health", "--instance", "all", env={"KVCTL_INVENTORY": "", "XDG_CONFIG_HOME": str(fleet["root"])},
+                        cwd=fleet["root"] / "a")
+    assert nowhere.code == 2 and "needs an inventory" in nowhere.stderr
     tokens = fleet["root"] / "tokens.json"
     tokens.write_text(json.dumps(list(range(2 * CHUNK))))
     http_json("POST", f"{fleet['urls']['b']}/cache/store", params={"tokens_mock": f"0,{2 * CHUNK}"})
@@ -122,19 +135,17 @@ def test_fleet_fan_out_names_the_members_that_fail(fleet):
 
 
 @pytest.mark.slow
-def test_faults_give_documented_exit_codes(fleet, tmp_path):
+def test_faults_give_documented_exit_codes(fleet, tmp_path, start_redis):
     result, report = kvctl("health", "--instance", fleet["hung"], "--timeout", "20")
     assert result.code == 3 and "in time" in report["instances"][0]["checks"][0]["detail"]
     result, _ = kvctl("stats", "--instance", "http://127.0.0.1:1")
     assert result.code == 3 and "hint:" in result.stderr
 
-    locked = RedisStarter(tmp_path)
-    server = locked(password="secret")
+    locked = start_redis(password="secret")
     config = tmp_path / "cfg"
-    run_kvctl("config", "init", "--out", config, "--tier", "cpu:0.05", "--tier", f"redis://127.0.0.1:{server.port}")
+    run_kvctl("config", "init", "--out", config, "--tier", "cpu:0.05", "--tier", f"redis://127.0.0.1:{locked.port}")
     result, _ = kvctl("ls", "--config", config)
     assert result.code == 4 and "credentials" in result.stderr  # Redis auth failure: rejected
-    locked.stop_all()
 
     fleet["redis"].client().shutdown(nosave=True)  # the shared Redis goes down; the engines stay up
     result, report = kvctl("health", "--instance", fleet["urls"]["b"])
