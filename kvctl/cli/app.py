@@ -108,10 +108,7 @@ def run(argv: list[str]) -> int:
         return error.exit_code
     except typer.Exit as done:
         return done.exit_code
-    except typer.Abort:
-        errors.error("aborted")
-        return ExitCode.ERROR
-    except KeyboardInterrupt:
+    except (typer.Abort, KeyboardInterrupt):  # Typer turns Ctrl-C (or EOF) at a prompt into Abort
         errors.error("interrupted")
         return ExitCode.INTERRUPTED
     except Exception as error:  # noqa: BLE001 - the last line of defence: one line, no traceback

@@ -153,6 +153,8 @@ def _listing_tables(result, title: str | None = None) -> list:
 
 def render_listing(out, result) -> None:
     out.emit(result.as_dict(), _listing_tables(result))
+    for note in result.notes:
+        out.info(f"note: {note}")
     for tier, message in result.errors.items():
         out.error(f"{tier} tier: {message}")
     if result.errors:

@@ -176,9 +176,10 @@ class Listing:
     tiers: list[TierListing]
     errors: dict[str, str] = field(default_factory=dict)  # tier -> why it could not be listed
     failure_code: int | None = None  # the exit code of the last failure, for when nothing could be listed
+    notes: list[str] = field(default_factory=list)  # what was not looked at, and why
 
     def as_dict(self) -> dict[str, Any]:
-        return {"tiers": [tier.as_dict() for tier in self.tiers], "errors": self.errors}
+        return {"tiers": [tier.as_dict() for tier in self.tiers], "errors": self.errors, "notes": self.notes}
 
 
 def collect(listers: dict[str, Any]) -> Listing:
@@ -299,4 +300,8 @@ def list_instance(instance, tiers: list[str] | None, limit: int, model: str | No
             return collect(engine_listers(worker, worker.info(), tiers, limit, model))
     url = instance.mp_http
     listers = {"cpu": lambda: from_mp_l1(url, limit, model)} if url and selected("cpu", tiers) else {}
-    return collect({**listers, **store_listers(config_stores(instance.config_dir), tiers, limit, model)})
+    listing = collect({**listers, **store_listers(config_stores(instance.config_dir), tiers, limit, model)})
+    if not instance.config_dir:
+        listing.notes.append("the MP server's L2 tiers were not listed: its configuration is unknown (pass --config "
+                             "with its 'kvctl config init' directory)")
+    return listing

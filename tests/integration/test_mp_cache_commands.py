@@ -114,6 +114,9 @@ def test_ls_lists_every_tier_with_exact_totals_and_skips_what_is_no_chunk(stack)
     assert [(t["tier"], t["total"], t["listed"]) for t in limited["tiers"]] == [("cpu", 5, 2)]
     _, other = stack.kvctl("ls", "--model", "another-model")
     assert [tier["total"] for tier in other["tiers"]] == [0, 0, 0]
+    by_url = run_cli("ls", "--instance", stack.http, "--format", "json")  # no configuration: L1 only, and said so
+    assert by_url.code == 0 and [tier["tier"] for tier in json.loads(by_url.stdout)["tiers"]] == ["cpu"]
+    assert "L2 tiers were not listed" in by_url.stderr
 
 
 @pytest.mark.slow
