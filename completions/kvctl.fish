@@ -92,13 +92,13 @@ function __kvctl_path
             case 'ls'
                 set valued --tier --model --limit --config --instance --state --inventory --timeout --format
             case 'pin'
-                set valued --prompt-file --chat --tokens-file --model --vllm-url --ttl --tier --instance --state --coordinator --format
+                set valued --prompt-file --chat --tokens-file --model --vllm-url --ttl --tier --instance --state --inventory --timeout --coordinator --format
             case 'unpin'
-                set valued --pin-id --prompt-file --chat --tokens-file --model --vllm-url --instance --state --coordinator --format
+                set valued --pin-id --prompt-file --chat --tokens-file --model --vllm-url --instance --state --inventory --timeout --coordinator --format
             case 'pins'
-                set valued --instance --state --coordinator --model --format
+                set valued --instance --state --inventory --timeout --coordinator --model --format
             case 'evict'
-                set valued --prompt-file --chat --tokens-file --key --tier --model --vllm-url --instance --state --coordinator --config --format
+                set valued --prompt-file --chat --tokens-file --key --tier --model --vllm-url --instance --state --inventory --timeout --coordinator --config --format
             case 'health'
                 set valued --instance --state --inventory --timeout --format
             case 'stats'
@@ -235,8 +235,10 @@ complete -c kvctl -n '__kvctl_at '\''pin'\''' -l model -x -a '(kvctl complete-va
 complete -c kvctl -n '__kvctl_at '\''pin'\''' -l vllm-url -r -F -d 'Tokenize with a running vLLM (its OpenAI server URL) instead of a local tokenizer.'
 complete -c kvctl -n '__kvctl_at '\''pin'\''' -l ttl -r -F -d 'How long: 600, 30s, 10m, 2h, 1d (default: until unpinned; in-process only).'
 complete -c kvctl -n '__kvctl_at '\''pin'\''' -l tier -r -F -d 'cpu, disk, redis or all (repeatable).'
-complete -c kvctl -n '__kvctl_at '\''pin'\''' -l instance -x -a '(kvctl complete-values instances (commandline -ct))' -d 'A running instance: a '\''kvctl serve --name'\'' or inventory name, or a URL (worker 0'\''s internal API, or the lmcache server'\''s HTTP API).'
+complete -c kvctl -n '__kvctl_at '\''pin'\''' -l instance -x -a '(kvctl complete-values instances (commandline -ct))' -d ''\''all'\'' (every instance of the inventory), an inventory or '\''kvctl serve --name'\'' name, or a URL (worker 0'\''s internal API, or the lmcache server'\''s HTTP API; default: the most recent kvctl serve).'
 complete -c kvctl -n '__kvctl_at '\''pin'\''' -l state -r -F -d 'The state file of a '\''kvctl serve'\'' (default: the most recent one).'
+complete -c kvctl -n '__kvctl_at '\''pin'\''' -l inventory -r -F -d 'A kvctl.yaml fleet inventory (default: $KVCTL_INVENTORY, ./kvctl.yaml, ~/.config/kvctl/kvctl.yaml).'
+complete -c kvctl -n '__kvctl_at '\''pin'\''' -l timeout -r -F -d 'Seconds each instance gets.'
 complete -c kvctl -n '__kvctl_at '\''pin'\''' -l coordinator -r -F -d 'MP mode: the LMCache coordinator'\''s URL, where pins live (default: '\''coordinator:'\'' in kvctl.yaml).'
 complete -c kvctl -n '__kvctl_at '\''pin'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
 complete -c kvctl -n '__kvctl_at '\''pin'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
@@ -249,15 +251,19 @@ complete -c kvctl -n '__kvctl_at '\''unpin'\''' -l tokens-file -r -F -d 'JSON li
 complete -c kvctl -n '__kvctl_at '\''unpin'\''' -l model -x -a '(kvctl complete-values models (commandline -ct))' -d 'The value of vLLM'\''s --model: names the keys, and a local directory also gives the tokenizer.'
 complete -c kvctl -n '__kvctl_at '\''unpin'\''' -l vllm-url -r -F -d 'Tokenize with a running vLLM (its OpenAI server URL) instead of a local tokenizer.'
 complete -c kvctl -n '__kvctl_at '\''unpin'\''' -l all -d 'Release every kvctl pin (in-process).'
-complete -c kvctl -n '__kvctl_at '\''unpin'\''' -l instance -x -a '(kvctl complete-values instances (commandline -ct))' -d 'A running instance: a '\''kvctl serve --name'\'' or inventory name, or a URL (worker 0'\''s internal API, or the lmcache server'\''s HTTP API).'
+complete -c kvctl -n '__kvctl_at '\''unpin'\''' -l instance -x -a '(kvctl complete-values instances (commandline -ct))' -d ''\''all'\'' (every instance of the inventory), an inventory or '\''kvctl serve --name'\'' name, or a URL (worker 0'\''s internal API, or the lmcache server'\''s HTTP API; default: the most recent kvctl serve).'
 complete -c kvctl -n '__kvctl_at '\''unpin'\''' -l state -r -F -d 'The state file of a '\''kvctl serve'\'' (default: the most recent one).'
+complete -c kvctl -n '__kvctl_at '\''unpin'\''' -l inventory -r -F -d 'A kvctl.yaml fleet inventory (default: $KVCTL_INVENTORY, ./kvctl.yaml, ~/.config/kvctl/kvctl.yaml).'
+complete -c kvctl -n '__kvctl_at '\''unpin'\''' -l timeout -r -F -d 'Seconds each instance gets.'
 complete -c kvctl -n '__kvctl_at '\''unpin'\''' -l coordinator -r -F -d 'MP mode: the LMCache coordinator'\''s URL, where pins live (default: '\''coordinator:'\'' in kvctl.yaml).'
 complete -c kvctl -n '__kvctl_at '\''unpin'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
 complete -c kvctl -n '__kvctl_at '\''unpin'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
 complete -c kvctl -n '__kvctl_at '\''unpin'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
 complete -c kvctl -n '__kvctl_at '\''unpin'\''' -s h -l help -d 'Show help and exit.'
-complete -c kvctl -n '__kvctl_at '\''pins'\''' -l instance -x -a '(kvctl complete-values instances (commandline -ct))' -d 'A running instance: a '\''kvctl serve --name'\'' or inventory name, or a URL (worker 0'\''s internal API, or the lmcache server'\''s HTTP API).'
+complete -c kvctl -n '__kvctl_at '\''pins'\''' -l instance -x -a '(kvctl complete-values instances (commandline -ct))' -d ''\''all'\'' (every instance of the inventory), an inventory or '\''kvctl serve --name'\'' name, or a URL (worker 0'\''s internal API, or the lmcache server'\''s HTTP API; default: the most recent kvctl serve).'
 complete -c kvctl -n '__kvctl_at '\''pins'\''' -l state -r -F -d 'The state file of a '\''kvctl serve'\'' (default: the most recent one).'
+complete -c kvctl -n '__kvctl_at '\''pins'\''' -l inventory -r -F -d 'A kvctl.yaml fleet inventory (default: $KVCTL_INVENTORY, ./kvctl.yaml, ~/.config/kvctl/kvctl.yaml).'
+complete -c kvctl -n '__kvctl_at '\''pins'\''' -l timeout -r -F -d 'Seconds each instance gets.'
 complete -c kvctl -n '__kvctl_at '\''pins'\''' -l coordinator -r -F -d 'MP mode: the LMCache coordinator'\''s URL, where pins live (default: '\''coordinator:'\'' in kvctl.yaml).'
 complete -c kvctl -n '__kvctl_at '\''pins'\''' -l model -x -a '(kvctl complete-values models (commandline -ct))' -d 'MP: only pins of this model.'
 complete -c kvctl -n '__kvctl_at '\''pins'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
@@ -275,8 +281,10 @@ complete -c kvctl -n '__kvctl_at '\''evict'\''' -l yes -s y -d 'Do not ask (requ
 complete -c kvctl -n '__kvctl_at '\''evict'\''' -l force -d 'Remove pinned chunks too (MP: locked L1 objects and coordinator-pinned L2 chunks).'
 complete -c kvctl -n '__kvctl_at '\''evict'\''' -l model -x -a '(kvctl complete-values models (commandline -ct))' -d 'The value of vLLM'\''s --model: names the keys, and a local directory also gives the tokenizer.'
 complete -c kvctl -n '__kvctl_at '\''evict'\''' -l vllm-url -r -F -d 'Tokenize with a running vLLM (its OpenAI server URL) instead of a local tokenizer.'
-complete -c kvctl -n '__kvctl_at '\''evict'\''' -l instance -x -a '(kvctl complete-values instances (commandline -ct))' -d 'A running instance: a '\''kvctl serve --name'\'' or inventory name, or a URL (worker 0'\''s internal API, or the lmcache server'\''s HTTP API).'
+complete -c kvctl -n '__kvctl_at '\''evict'\''' -l instance -x -a '(kvctl complete-values instances (commandline -ct))' -d ''\''all'\'' (every instance of the inventory), an inventory or '\''kvctl serve --name'\'' name, or a URL (worker 0'\''s internal API, or the lmcache server'\''s HTTP API; default: the most recent kvctl serve).'
 complete -c kvctl -n '__kvctl_at '\''evict'\''' -l state -r -F -d 'The state file of a '\''kvctl serve'\'' (default: the most recent one).'
+complete -c kvctl -n '__kvctl_at '\''evict'\''' -l inventory -r -F -d 'A kvctl.yaml fleet inventory (default: $KVCTL_INVENTORY, ./kvctl.yaml, ~/.config/kvctl/kvctl.yaml).'
+complete -c kvctl -n '__kvctl_at '\''evict'\''' -l timeout -r -F -d 'Seconds each instance gets.'
 complete -c kvctl -n '__kvctl_at '\''evict'\''' -l coordinator -r -F -d 'MP mode: the LMCache coordinator'\''s URL, where pins live (default: '\''coordinator:'\'' in kvctl.yaml).'
 complete -c kvctl -n '__kvctl_at '\''evict'\''' -l config -r -F -d 'MP: the server'\''s '\''kvctl config init'\'' directory (its L2 stores), when --instance is its URL.'
 complete -c kvctl -n '__kvctl_at '\''evict'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'

@@ -49,14 +49,12 @@ def parse_duration(text: str) -> float:
     return float(match.group(1)) * UNITS[match.group(2)]
 
 
-def _instance(instance: str | None, state: Path | None, vllm_url: str | None = None):
-    """(worker 0's client and info, or None and None for an MP instance; the instance)."""
+def _open(found, vllm_url: str | None = None):
+    """(worker 0's client and info, or None and None for an MP instance; the instance, identified)."""
     from kvctl.clients.internal_api import InternalAPIClient
-    from kvctl.core.instances import identify, resolve
+    from kvctl.core.instances import identify
 
-    if instance == "all":
-        raise UsageError("pins and evictions address one instance", hint="name it with --instance")
-    found = identify(resolve(instance, state)[0])
+    found = identify(found)
     found.vllm = vllm_url or found.vllm
     if found.mode != "mp" and found.worker:
         worker = InternalAPIClient(found.worker)
@@ -69,6 +67,22 @@ def _instance(instance: str | None, state: Path | None, vllm_url: str | None = N
         raise UsageError(f"the HTTP URL of the MP instance {found.name}'s server is unknown",
                          hint="pass --instance with the lmcache server's HTTP URL")
     return None, None, found
+
+
+def _on_instances(out, instance, state, inventory, timeout, operation, tables) -> None:
+    """Run `operation(instance) -> result` on one instance, or on every inventory instance at once
+    (--instance all: results per instance, exit 6 naming the failures)."""
+    from kvctl.core import instances as fleet
+
+    targets = fleet.resolve(instance, state, inventory)
+    if instance != "all":
+        result = operation(targets[0])
+        out.emit(result, tables(result))
+        return
+    reports, code = fleet.fleet_reports(fleet.fan_out(targets, operation, timeout), lambda result: result)
+    out.emit({"instances": reports}, [t for r in reports if "errors" not in r for t in tables(r, r["instance"])])
+    report_errors(out, reports)
+    raise typer.Exit(code)
 
 
 def _tokens(model_name, prompt_file, chat, tokens_file, model, vllm_url):
@@ -167,33 +181,47 @@ def pin(
     model: ModelOption = None, vllm_url: VllmOption = None,
     ttl: Annotated[str | None, typer.Option("--ttl", help="How long: 600, 30s, 10m, 2h, 1d (default: until "
                                             "unpinned; in-process only).")] = None,
-    tier: TierOption = None, instance: InstanceOption = None, state: StateOption = None,
-    coordinator: CoordinatorOption = None,
+    tier: TierOption = None, instance: FleetInstance = None, state: StateOption = None,
+    inventory: InventoryOption = None, timeout: TimeoutOption = 30.0, coordinator: CoordinatorOption = None,
 ) -> None:
     """Pin a prompt's chunks: eviction skips them until unpinned (or the TTL ends).
 
-    In-process: on the CPU and disk tiers, by kvctl. MP: in L2, fleet-wide, by the LMCache coordinator.
+    In-process: on the CPU and disk tiers, by kvctl. MP: in L2, fleet-wide, by the LMCache coordinator
+    (so with --instance all, only in-process instances pin: MP ones say to pin once by name).
     """
     ttl_s = parse_duration(ttl) if ttl else None
-    worker, info, found = _instance(instance, state, vllm_url)
-    if worker is None:
-        if ttl or tier:
-            raise UsageError("MP pins (the coordinator's) hold a prompt's chunks in L2 until unpinned: no --ttl or "
-                             "--tier", hint="drop --ttl and --tier")
-        _mp_pin(ctx.obj, "pin", found, coordinator, prompt_file, chat, tokens_file, model)
-        return
-    with worker:
-        token_ids = _tokens(info["model"], prompt_file, chat, tokens_file, model, found.vllm)
-        result = worker.pin(token_ids, ttl_s, tier_names(tier))
-    ctx.obj.emit(result, [Table(["pin id", "chunks", "tokens", "pinned", "expires in"],
-                                [(result["pin_id"], result["chunks"], result["tokens"],
-                                  " ".join(f"{t}:{n}" for t, n in result["pinned"].items()),
-                                  "never" if result["ttl_remaining_s"] is None else f"{result['ttl_remaining_s']} s")])])
-    if not result["pinned"]:
-        ctx.obj.warn("no chunk of this prompt is cached: nothing was pinned (prewarm it first)")
+
+    def pin_one(found) -> dict:
+        worker, info, found = _open(found, vllm_url)
+        if worker is None:
+            if ttl or tier:
+                raise UsageError("MP pins (the coordinator's) hold a prompt's chunks in L2 until unpinned: no --ttl "
+                                 "or --tier", hint="drop --ttl and --tier")
+            _no_mp_fan_out(instance)
+            return _mp_pin("pin", found, coordinator, prompt_file, chat, tokens_file, model)
+        with worker:
+            token_ids = _tokens(info["model"], prompt_file, chat, tokens_file, model, found.vllm)
+            return worker.pin(token_ids, ttl_s, tier_names(tier))
+
+    _on_instances(ctx.obj, instance, state, inventory, timeout, pin_one, _pin_tables)
 
 
-def _mp_pin(out, action: str, found, coordinator, prompt_file, chat, tokens_file, model) -> None:
+def _pin_tables(result: dict, title: str | None = None) -> list:
+    if "pin_id" not in result:
+        return _mp_pin_tables(result, title)
+    expires = "never" if result["ttl_remaining_s"] is None else f"{result['ttl_remaining_s']} s"
+    pinned = " ".join(f"{t}:{n}" for t, n in result["pinned"].items()) or "nothing cached: nothing pinned"
+    return [Table(["pin id", "chunks", "tokens", "pinned", "expires in"],
+                  [(result["pin_id"], result["chunks"], result["tokens"], pinned, expires)], title=title)]
+
+
+def _no_mp_fan_out(instance: str | None) -> None:
+    if instance == "all":
+        raise UsageError("MP pins live in the coordinator, for the whole fleet at once",
+                         hint="pin once with --instance NAME of one MP instance")
+
+
+def _mp_pin(action: str, found, coordinator, prompt_file, chat, tokens_file, model) -> dict:
     """Pin or unpin a prompt through the coordinator, which hashes the tokens itself."""
     from kvctl.clients.coordinator import CoordinatorClient
 
@@ -201,9 +229,12 @@ def _mp_pin(out, action: str, found, coordinator, prompt_file, chat, tokens_file
     name, world_size = _mp_model(found, model)
     token_ids = _tokens(name, prompt_file, chat, tokens_file, model, found.vllm)
     with CoordinatorClient(url) as client:
-        result = {"model": name, **getattr(client, action)(name, token_ids, world_size)}
-    out.emit(result, [Table(["model", "chunks", "keys", "status"],
-                            [(name, result["requested"], result["affected"], result["status"])])])
+        return {"model": name, **getattr(client, action)(name, token_ids, world_size)}
+
+
+def _mp_pin_tables(result: dict, title: str | None = None) -> list:
+    return [Table(["model", "chunks", "keys", "status"],
+                  [(result["model"], result["requested"], result["affected"], result["status"])], title=title)]
 
 
 def unpin(
@@ -212,46 +243,61 @@ def unpin(
     prompt_file: PromptFile = None, chat: ChatFile = None, tokens_file: TokensFile = None,
     model: ModelOption = None, vllm_url: VllmOption = None,
     everything: Annotated[bool, typer.Option("--all", help="Release every kvctl pin (in-process).")] = False,
-    instance: InstanceOption = None, state: StateOption = None, coordinator: CoordinatorOption = None,
+    instance: FleetInstance = None, state: StateOption = None, inventory: InventoryOption = None,
+    timeout: TimeoutOption = 30.0, coordinator: CoordinatorOption = None,
 ) -> None:
     """Release pins: one by id, every pin holding a prompt's chunks, or all (MP: one pin of a prompt)."""
     chosen = sum(bool(x) for x in (pin_id, prompt_file or chat or tokens_file, everything))
     if chosen != 1:
         raise UsageError("give exactly one of --pin-id, a prompt (--prompt-file/--chat/--tokens-file), --all",
                          hint="kvctl pins lists the pin ids")
-    worker, info, found = _instance(instance, state, vllm_url)
-    if worker is None:
-        if pin_id or everything:
-            raise UsageError("the LMCache coordinator unpins by prompt only (its pins have no ids)",
-                             hint="pass the prompt that was pinned (--prompt-file/--chat/--tokens-file)")
-        _mp_pin(ctx.obj, "unpin", found, coordinator, prompt_file, chat, tokens_file, model)
-        return
-    with worker:
-        if pin_id or everything:
-            result = worker.unpin(pin_id=pin_id, everything=everything)
-        else:
-            token_ids = _tokens(info["model"], prompt_file, chat, tokens_file, model, found.vllm)
-            result = worker.unpin(tokens=token_ids)
+
+    def unpin_one(found) -> dict:
+        worker, info, found = _open(found, vllm_url)
+        if worker is None:
+            if pin_id or everything:
+                raise UsageError("the LMCache coordinator unpins by prompt only (its pins have no ids)",
+                                 hint="pass the prompt that was pinned (--prompt-file/--chat/--tokens-file)")
+            _no_mp_fan_out(instance)
+            return _mp_pin("unpin", found, coordinator, prompt_file, chat, tokens_file, model)
+        with worker:
+            if pin_id or everything:
+                return worker.unpin(pin_id=pin_id, everything=everything)
+            return worker.unpin(tokens=_tokens(info["model"], prompt_file, chat, tokens_file, model, found.vllm))
+
+    _on_instances(ctx.obj, instance, state, inventory, timeout, unpin_one, _unpin_tables)
+
+
+def _unpin_tables(result: dict, title: str | None = None) -> list:
+    if "unpinned" not in result:
+        return _mp_pin_tables(result, title)
     rows = [(entry["pin_id"], entry["chunks"], entry["tokens"]) for entry in result["unpinned"]]
-    ctx.obj.emit(result, [Table(["pin id", "chunks", "tokens"], rows, title="unpinned")])
+    return [Table(["pin id", "chunks", "tokens"], rows, title=f"{title}: unpinned" if title else "unpinned")]
 
 
-def pins(ctx: typer.Context, instance: InstanceOption = None, state: StateOption = None,
-         coordinator: CoordinatorOption = None,
+def pins(ctx: typer.Context, instance: FleetInstance = None, state: StateOption = None,
+         inventory: InventoryOption = None, timeout: TimeoutOption = 30.0, coordinator: CoordinatorOption = None,
          model: Annotated[str | None, typer.Option("--model", help="MP: only pins of this model.")] = None) -> None:
     """List the pins: kvctl's on an in-process instance; the coordinator's pinned keys in MP mode."""
-    worker, _info, found = _instance(instance, state)
-    if worker is None:
-        from kvctl.core.mp_cache import coordinator_pins
+    def pins_one(found) -> dict:
+        worker, _info, found = _open(found)
+        if worker is None:
+            from kvctl.core.mp_cache import coordinator_pins
 
-        listed = coordinator_pins(_coordinator(coordinator, found), model)
-        ctx.obj.emit({"pins": listed}, [Table(["key", "pins"], [(p["key"], p["pin_count"]) for p in listed])])
-        return
-    with worker:
-        listed = worker.pins()
+            return {"pins": coordinator_pins(_coordinator(coordinator, found), model)}
+        with worker:
+            return {"pins": worker.pins()}
+
+    _on_instances(ctx.obj, instance, state, inventory, timeout, pins_one, _pins_tables)
+
+
+def _pins_tables(result: dict, title: str | None = None) -> list:
+    listed = result["pins"]
+    if listed and "pin_id" not in listed[0]:
+        return [Table(["key", "pins"], [(p["key"], p["pin_count"]) for p in listed], title=title)]
     rows = [(p["pin_id"], p["chunks"], p["tokens"], " ".join(f"{t}:{n}" for t, n in p["pinned"].items()),
              "never" if p["ttl_remaining_s"] is None else f"{p['ttl_remaining_s']} s") for p in listed]
-    ctx.obj.emit({"pins": listed}, [Table(["pin id", "chunks", "tokens", "pinned", "expires in"], rows)])
+    return [Table(["pin id", "chunks", "tokens", "pinned", "expires in"], rows, title=title)]
 
 
 def evict(
@@ -266,55 +312,116 @@ def evict(
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask (required when not on a terminal).")] = False,
     force: Annotated[bool, typer.Option("--force", help="Remove pinned chunks too (MP: locked L1 objects and "
                                         "coordinator-pinned L2 chunks).")] = False,
-    model: ModelOption = None, vllm_url: VllmOption = None, instance: InstanceOption = None, state: StateOption = None,
+    model: ModelOption = None, vllm_url: VllmOption = None, instance: FleetInstance = None, state: StateOption = None,
+    inventory: InventoryOption = None, timeout: TimeoutOption = 60.0,
     coordinator: CoordinatorOption = None,
     config: Annotated[Path | None, typer.Option("--config", help="MP: the server's 'kvctl config init' directory "
                                                 "(its L2 stores), when --instance is its URL.")] = None,
 ) -> None:
-    """Remove chunks from the CPU, disk and Redis tiers: a prompt's, given keys, or a whole tier."""
+    """Remove chunks from the CPU, disk and Redis tiers: a prompt's, given keys, or a whole tier.
+
+    With --instance all, every instance of the inventory plans at once, one question covers them all,
+    and each evicts its own.
+    """
+    from functools import partial
+
+    from kvctl.core import instances as fleet
+
     prompt_given = bool(prompt_file or chat or tokens_file)
     if sum((prompt_given, bool(key), everything)) != 1 and not (tier and not prompt_given and not key):
         raise UsageError("say what to evict: a prompt, --key, or --tier T / --all",
                          hint="add --dry-run to see what would go first")
-    worker, info, found = _instance(instance, state, vllm_url)
-    tiers = tier_names(tier)
-    if worker is None:
-        from kvctl.core import listing, mp_cache
+    prepare = partial(_eviction, prompt=(prompt_file, chat, tokens_file) if prompt_given else None, keys=key,
+                      tiers=tier_names(tier), force=force, model=model, vllm_url=vllm_url, coordinator=coordinator,
+                      config=config)
+    targets = fleet.resolve(instance, state, inventory)
+    if instance != "all":
+        run = prepare(targets[0])
+        planned = run(True)
+        total = sum(planned["removed"].values())
+        _confirm(total, planned["removed"], dry_run, yes)
+        result = run(False) if total and not dry_run else {**planned, "dry_run": dry_run}
+        ctx.obj.emit(result, _eviction_tables(result))
+        return
+    _evict_fleet(ctx.obj, targets, prepare, dry_run, yes, timeout)
 
+
+def _eviction(found, *, prompt, keys, tiers, force, model, vllm_url, coordinator, config):
+    """One instance's eviction as run(dry_run) -> result, its prompt tokenized once up front."""
+    from kvctl.core import listing, mp_cache
+    from kvctl.core.instances import identify
+
+    found = identify(found)
+    vllm_url = vllm_url or found.vllm
+    if found.mode == "mp" or not found.worker:
+        if not found.mp_http:
+            raise UsageError(f"the HTTP URL of the MP instance {found.name}'s server is unknown",
+                             hint="pass --instance with the lmcache server's HTTP URL")
         target = mp_cache.MPTarget(found.mp_http, listing.config_stores(config or found.config_dir), model or found.model,
                                    mp_cache.coordinator_url(coordinator, config or found.config_dir))
-        selection = {"tiers": tiers, "force": force, "keys": key}
-        if prompt_given:
-            selection["tokens"] = _tokens(target.model or _mp_model(found, None)[0], prompt_file, chat, tokens_file,
-                                          model, found.vllm)
-        _evict_confirmed(ctx.obj, lambda dry: mp_cache.evict(target, dry_run=dry, **selection), dry_run, yes)
+        selection = {"tiers": tiers, "force": force, "keys": keys}
+        if prompt:
+            selection["tokens"] = _tokens(target.model or _mp_model(found, None)[0], *prompt, model, vllm_url)
+        return lambda dry: mp_cache.evict(target, dry_run=dry, **selection)
+    from kvctl.clients.internal_api import InternalAPIClient
+
+    selection = {"tiers": tiers, "force": force, "everything": not (prompt or keys)}
+    if prompt:
+        with InternalAPIClient(found.worker) as worker:
+            selection["tokens"] = _tokens(worker.info()["model"], *prompt, model, vllm_url)
+    elif keys:
+        selection["keys"] = keys
+
+    def run(dry: bool) -> dict:
+        with InternalAPIClient(found.worker) as worker:
+            return listing.evict_from_instance(worker, dry_run=dry, **selection)
+
+    return run
+
+
+def _confirm(total: int, counts: dict[str, int], dry_run: bool, yes: bool) -> None:
+    """Ask before removing anything, or refuse off a terminal without --yes."""
+    if dry_run or total == 0 or yes:
         return
-    from kvctl.core.listing import evict_from_instance
-
-    with worker:
-        selection = {"tiers": tiers, "force": force, "everything": not (prompt_given or key)}
-        if prompt_given:
-            selection["tokens"] = _tokens(info["model"], prompt_file, chat, tokens_file, model, found.vllm)
-        elif key:
-            selection["keys"] = key
-        _evict_confirmed(ctx.obj, lambda dry: evict_from_instance(worker, dry_run=dry, **selection), dry_run, yes)
+    if not sys.stdin.isatty():
+        raise UsageError(f"refusing to evict {total} chunks without --yes (not on a terminal)",
+                         hint="add --yes, or --dry-run to list them")
+    listed = ", ".join(f"{tier}: {n}" for tier, n in counts.items())
+    if not typer.confirm(f"evict {total} chunks ({listed})?", err=True):
+        raise typer.Exit(ExitCode.ERROR)
 
 
-def _evict_confirmed(out, run, dry_run: bool, yes: bool) -> None:
-    """Plan (a dry run), ask or refuse off a terminal without --yes, then evict and report."""
-    planned = run(True)
-    total = sum(planned["removed"].values())
-    if dry_run or total == 0:
-        result = {**planned, "dry_run": dry_run}
-    else:
-        if not yes:
-            if not sys.stdin.isatty():
-                raise UsageError(f"refusing to evict {total} chunks without --yes (not on a terminal)",
-                                 hint="add --yes, or --dry-run to list them")
-            counts = ", ".join(f"{tier_}: {n}" for tier_, n in planned["removed"].items())
-            if not typer.confirm(f"evict {total} chunks ({counts})?", err=True):
-                raise typer.Exit(ExitCode.ERROR)
-        result = run(False)
+def _eviction_tables(result: dict, title: str | None = None) -> list:
     rows = [(t, n, result["skipped_pinned"].get(t, 0)) for t, n in result["removed"].items()]
-    title = "would evict (dry run)" if result["dry_run"] else "evicted"
-    out.emit(result, [Table(["tier", "chunks", "kept (pinned)"], rows, title=title)])
+    heading = "would evict (dry run)" if result["dry_run"] else "evicted"
+    return [Table(["tier", "chunks", "kept (pinned)"], rows, title=f"{title}: {heading}" if title else heading)]
+
+
+def _evict_fleet(out, targets, prepare, dry_run: bool, yes: bool, timeout: float) -> None:
+    """Plan on every instance at once, ask once for the total, then evict on each that planned."""
+    from collections import Counter
+
+    from kvctl.core import instances as fleet
+
+    runs: dict[str, object] = {}
+
+    def plan(found):
+        runs[found.name] = prepare(found)
+        return runs[found.name](True)
+
+    outcomes = fleet.fan_out(targets, plan, timeout)
+    counts: Counter = Counter()
+    for outcome in outcomes:
+        if outcome.error is None:
+            counts.update(outcome.result["removed"])
+    _confirm(sum(counts.values()), dict(counts), dry_run, yes)
+    if not dry_run and sum(counts.values()):
+        planned = {outcome.instance for outcome in outcomes if outcome.error is None}
+        done = {o.instance: o for o in fleet.fan_out([t for t in targets if t.name in planned],
+                                                      lambda found: runs[found.name](False), timeout)}
+        outcomes = [done.get(outcome.instance, outcome) for outcome in outcomes]
+    reports, code = fleet.fleet_reports(outcomes, lambda result: {**result, "dry_run": dry_run})
+    out.emit({"dry_run": dry_run, "instances": reports},
+             [table for r in reports if "removed" in r for table in _eviction_tables(r, r["instance"])])
+    report_errors(out, reports)
+    raise typer.Exit(code)

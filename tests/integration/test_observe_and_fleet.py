@@ -155,3 +155,35 @@ def test_faults_give_documented_exit_codes(fleet, tmp_path, start_redis):
     result, report = kvctl("ls", "--instance", fleet["urls"]["b"])
     assert result.code == 6 and "redis tier:" in result.stderr
     assert {tier["tier"] for tier in report["tiers"]} == {"cpu", "disk"}
+
+
+@pytest.mark.slow
+def test_fleet_pin_and_evict_plan_everywhere_ask_once_and_name_failures(fleet):
+    tokens = fleet["root"] / "fleet-prompt.json"
+    tokens.write_text(json.dumps(list(range(50_000, 50_000 + 2 * CHUNK))))
+    for url in fleet["urls"].values():
+        http_json("POST", f"{url}/cache/store", params={"tokens_mock": f"50000,{50_000 + 2 * CHUNK}"})
+    every = ("--instance", "all", "--inventory", fleet["healthy"])
+    result, pinned = kvctl("pin", "--tokens-file", tokens, *every)
+    assert result.code == 0, result.stderr
+    assert [(r["instance"], r["pinned"]["cpu"]) for r in pinned["instances"]] == [("a", 2), ("b", 2)]
+    _, listed = kvctl("pins", *every)
+    assert [len(r["pins"]) for r in listed["instances"]] == [1, 1]
+    _, kept = kvctl("evict", "--tokens-file", tokens, "--tier", "cpu", "--dry-run", *every)
+    assert [(r["removed"], r["skipped_pinned"]) for r in kept["instances"]] == [({"cpu": 0}, {"cpu": 2})] * 2
+    result, _ = kvctl("unpin", "--all", *every)
+    assert result.code == 0, result.stderr
+
+    refused, _ = kvctl("evict", "--tokens-file", tokens, "--tier", "cpu", *every)
+    assert refused.code == 2 and "refusing to evict 4 chunks without --yes" in refused.stderr  # one question for all
+    result, done = kvctl("evict", "--tokens-file", tokens, "--tier", "cpu", "--yes", *every)
+    assert result.code == 0 and not done["dry_run"]
+    assert [(r["instance"], r["removed"]) for r in done["instances"]] == [("a", {"cpu": 2}), ("b", {"cpu": 2})]
+    for url in fleet["urls"].values():
+        found = json.loads(run_kvctl("lookup", "--instance", url, "--tokens-file", tokens).stdout)
+        assert found["hit_tokens"]["cpu"] == 0 and found["hit_tokens"]["disk"] == 2 * CHUNK
+
+    result, report = kvctl("evict", "--tokens-file", tokens, "--tier", "disk", "--yes", "--instance", "all",
+                           "--inventory", fleet["troubled"], "--timeout", "3")
+    assert result.code == 6 and {"hung:", "gone:"} <= set(result.stderr.split())
+    assert [r["removed"] for r in report["instances"] if "removed" in r] == [{"disk": 2}]  # a still evicted
