@@ -35,7 +35,7 @@ _kvctl_complete() {
             "") valued=" --format " ;;
             "serve") valued=" --mode --tier --config --host --port --internal-api-port-start --mp-port --mp-http-port --name --state --format " ;;
             "prewarm") valued=" --concurrency --from-tier --instance --vllm-url --state --format " ;;
-            "lookup") valued=" --prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --instance --state --format " ;;
+            "lookup") valued=" --prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --instance --state --inventory --timeout --format " ;;
             "keys") valued=" --prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --format " ;;
             "ls") valued=" --tier --model --limit --config --instance --state --inventory --timeout --format " ;;
             "pin") valued=" --prompt-file --chat --tokens-file --model --vllm-url --ttl --tier --instance --state --inventory --timeout --coordinator --format " ;;
@@ -89,6 +89,8 @@ _kvctl_complete() {
             "lookup|--vllm-url") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "lookup|--instance") COMPREPLY=($(kvctl complete-values instances "$cur" 2>/dev/null)); return ;;
             "lookup|--state") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "lookup|--inventory") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "lookup|--timeout") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "lookup|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
             "keys|--prompt-file") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "keys|--chat") COMPREPLY=($(compgen -f -- "$cur")); return ;;
@@ -203,7 +205,7 @@ _kvctl_complete() {
             "") words="--format --debug -q --quiet --show-completion --install-completion -h --help" ;;
             "serve") words="--mode --tier --config --host --port --internal-api-port-start --mp-port --mp-http-port --name --state --dry-run --format --debug -q --quiet -h --help" ;;
             "prewarm") words="--chat --concurrency --from-tier --instance --vllm-url --state --format --debug -q --quiet -h --help" ;;
-            "lookup") words="--prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --instance --offline --state --format --debug -q --quiet -h --help" ;;
+            "lookup") words="--prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --instance --offline --state --inventory --timeout --format --debug -q --quiet -h --help" ;;
             "keys") words="--prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --format --debug -q --quiet -h --help" ;;
             "ls") words="--tier --model --limit --config --instance --state --inventory --timeout --format --debug -q --quiet -h --help" ;;
             "pin") words="--prompt-file --chat --tokens-file --model --vllm-url --ttl --tier --instance --state --inventory --timeout --coordinator --format --debug -q --quiet -h --help" ;;

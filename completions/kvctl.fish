@@ -86,7 +86,7 @@ function __kvctl_path
             case 'prewarm'
                 set valued --concurrency --from-tier --instance --vllm-url --state --format
             case 'lookup'
-                set valued --prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --instance --state --format
+                set valued --prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --instance --state --inventory --timeout --format
             case 'keys'
                 set valued --prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --format
             case 'ls'
@@ -196,9 +196,11 @@ complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l kv-dtype -r -F -d 'KV cache 
 complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l world-size -r -F -d 'Tensor x pipeline parallel size of the deployment.'
 complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l hash-seed -r -F -d 'PYTHONHASHSEED of the serving process (default: from env.sh).'
 complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l vllm-url -r -F -d 'Tokenize with a running vLLM (its OpenAI server URL) instead of a local tokenizer.'
-complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l instance -x -a '(kvctl complete-values instances (commandline -ct))' -d 'A running engine: a '\''kvctl serve --name'\'' name, or the internal API URL of worker 0 (http://127.0.0.1:7000, unix:/path_7000).'
+complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l instance -x -a '(kvctl complete-values instances (commandline -ct))' -d 'A running engine: a '\''kvctl serve --name'\'' or inventory name, '\''all'\'' (every inventory instance), or the internal API URL of worker 0 (http://127.0.0.1:7000, unix:/path_7000).'
 complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l offline -d 'Read the disk and Redis tiers directly, no server (needs --config).'
 complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l state -r -F -d 'The state file of a '\''kvctl serve'\'' (default: the most recent one); used when neither --instance nor --config is given.'
+complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l inventory -r -F -d 'A kvctl.yaml fleet inventory (default: $KVCTL_INVENTORY, ./kvctl.yaml, ~/.config/kvctl/kvctl.yaml).'
+complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l timeout -r -F -d 'Seconds each instance gets.'
 complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
 complete -c kvctl -n '__kvctl_at '\''lookup'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
 complete -c kvctl -n '__kvctl_at '\''lookup'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'

@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from kvctl.cli.options import InventoryOption, TimeoutOption
 from kvctl.core.errors import ExitCode, KvctlError, UsageError
 from kvctl.output import Table, escape
 
@@ -99,20 +100,24 @@ def lookup(
     prompt_file: PromptFile = None, chat: ChatFile = None, tokens_file: TokensFile = None,
     model: ModelOption = None, config: ConfigOption = None, kv_dtype: KvDtype = None,
     world_size: WorldSize = 1, hash_seed: HashSeed = None, vllm_url: VllmOption = None,
-    instance: Annotated[str | None, typer.Option("--instance", help="A running engine: a 'kvctl serve --name' "
-                                                 "name, or the internal API URL of worker 0 "
-                                                 "(http://127.0.0.1:7000, unix:/path_7000).")] = None,
+    instance: Annotated[str | None, typer.Option("--instance", help="A running engine: a 'kvctl serve --name' or "
+                                                 "inventory name, 'all' (every inventory instance), or the internal "
+                                                 "API URL of worker 0 (http://127.0.0.1:7000, unix:/path_7000).")] = None,
     offline: Annotated[bool, typer.Option("--offline", help="Read the disk and Redis tiers directly, no server "
                                           "(needs --config).")] = False,
     state: Annotated[Path | None, typer.Option("--state", help="The state file of a 'kvctl serve' (default: the "
                                                "most recent one); used when neither --instance nor --config is "
                                                "given.")] = None,
+    inventory: InventoryOption = None, timeout: TimeoutOption = 60.0,
 ) -> None:
     """Which chunks of a prompt are cached, on which tier, how many tokens vLLM would get, and why not.
 
     Side-effect free: never pins a chunk, never changes eviction order, never reads a value.
     """
     out = ctx.obj
+    if instance == "all":
+        _lookup_fleet(out, state, inventory, timeout, prompt_file, chat, tokens_file, model, vllm_url)
+        return
     if config is None:
         instance, config, vllm_url = instance_target(instance, state, vllm_url)
     if instance and not offline and config is None:
@@ -129,6 +134,25 @@ def lookup(
         raise typer.Exit(ExitCode.PARTIAL if result.tiers_checked else ExitCode.UNREACHABLE)
 
 
+def _lookup_fleet(out, state, inventory, timeout, prompt_file, chat, tokens_file, model, vllm_url) -> None:
+    """The prompt looked up on every inventory instance at once: which of them would hit, and how far."""
+    from kvctl.cli.observe import report_errors
+    from kvctl.core import instances as fleet
+
+    def lookup_one(found):
+        url, config, found_vllm = target_of(found, vllm_url)
+        if config is None:
+            return live_lookup(url, prompt_file, chat, tokens_file, model, found_vllm)
+        return store_lookup(out, prompt_file, chat, tokens_file, model, config, None, 1, None, found_vllm, url)
+
+    outcomes = fleet.fan_out(fleet.resolve("all", state, inventory), lookup_one, timeout)
+    reports, code = fleet.fleet_reports(outcomes, lambda result: result.as_dict())
+    out.emit({"instances": reports}, [item for outcome in outcomes if outcome.error is None
+                                      for item in [f"[bold]{escape(outcome.instance)}[/]", *render_lookup(outcome.result)]])
+    report_errors(out, reports)
+    raise typer.Exit(code)
+
+
 def instance_target(instance: str | None, state: Path | None,
                     vllm_url: str | None) -> tuple[str | None, Path | None, str | None]:
     """(server URL, config dir, vLLM URL) for --instance URL or NAME (inventory or kvctl serve), or a state file.
@@ -139,12 +163,18 @@ def instance_target(instance: str | None, state: Path | None,
     from kvctl.core.instances import resolve
 
     if instance == "all":
-        raise UsageError("--instance all is for health, stats, top and ls", hint="name one instance")
-    (target,) = resolve(instance, state)
-    vllm_url = vllm_url or target.vllm
-    if target.mode == "inprocess":
-        return target.worker, None, vllm_url
-    return target.mp_http, Path(target.config_dir) if target.config_dir else None, vllm_url
+        raise UsageError("this command addresses one instance, not --instance all",
+                         hint="name one with --instance NAME (lookup, ls, pin, unpin, pins, evict, health, stats "
+                         "and top take --instance all)")
+    return target_of(resolve(instance, state)[0], vllm_url)
+
+
+def target_of(found, vllm_url: str | None) -> tuple[str | None, Path | None, str | None]:
+    """(server URL, config dir, vLLM URL) of a resolved instance."""
+    vllm_url = vllm_url or found.vllm
+    if found.mode == "inprocess":
+        return found.worker, None, vllm_url
+    return found.mp_http, Path(found.config_dir) if found.config_dir else None, vllm_url
 
 
 def store_lookup(out, prompt_file, chat, tokens_file, model, config, kv_dtype, world_size, hash_seed, vllm_url,
