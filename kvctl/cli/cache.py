@@ -349,26 +349,21 @@ def evict(
 def _eviction(found, *, prompt, keys, tiers, force, model, vllm_url, coordinator, config):
     """One instance's eviction as run(dry_run) -> result, its prompt tokenized once up front."""
     from kvctl.core import listing, mp_cache
-    from kvctl.core.instances import identify
 
-    found = identify(found)
-    vllm_url = vllm_url or found.vllm
-    if found.mode == "mp" or not found.worker:
-        if not found.mp_http:
-            raise UsageError(f"the HTTP URL of the MP instance {found.name}'s server is unknown",
-                             hint="pass --instance with the lmcache server's HTTP URL")
+    worker, info, found = _open(found, vllm_url)
+    if worker is None:
         target = mp_cache.MPTarget(found.mp_http, listing.config_stores(config or found.config_dir), model or found.model,
                                    mp_cache.coordinator_url(coordinator, config or found.config_dir))
         selection = {"tiers": tiers, "force": force, "keys": keys}
         if prompt:
-            selection["tokens"] = _tokens(target.model or _mp_model(found, None)[0], *prompt, model, vllm_url)
+            selection["tokens"] = _tokens(target.model or _mp_model(found, None)[0], *prompt, model, found.vllm)
         return lambda dry: mp_cache.evict(target, dry_run=dry, **selection)
+    worker.close()  # each run opens its own: a fleet plans and evicts on other threads
     from kvctl.clients.internal_api import InternalAPIClient
 
     selection = {"tiers": tiers, "force": force, "everything": not (prompt or keys)}
     if prompt:
-        with InternalAPIClient(found.worker) as worker:
-            selection["tokens"] = _tokens(worker.info()["model"], *prompt, model, vllm_url)
+        selection["tokens"] = _tokens(info["model"], *prompt, model, found.vllm)
     elif keys:
         selection["keys"] = keys
 

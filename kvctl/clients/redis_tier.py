@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import socket
 import ssl
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 
 from kvctl.core.errors import RejectedError, ServerError, UnreachableError
 from kvctl.core.tiers import RedisURL
@@ -132,57 +133,32 @@ class RedisTier:
         return found
 
     def stored_names(self, limit: int) -> list[str]:
-        return self.scan(self.list_pattern, limit)[0]
+        return self.scan(self.list_pattern, limit)
 
-    def scan(self, match: str, limit: int, count_all: bool = False) -> tuple[list[str], int]:
-        """(the first `limit` key names matching the glob, how many match: all of them with `count_all`,
-        else the listed), by SCAN (never KEYS)."""
-        client = self._redis_py()
-        names, total = [], 0
-        try:
+    def scan(self, match: str, limit: int) -> list[str]:
+        """Up to `limit` key names matching the glob, by SCAN (never KEYS)."""
+        with self._session() as client:
+            names = []
             for name in client.scan_iter(match=match, count=SCAN_COUNT):
-                if len(names) == limit and not count_all:
+                if len(names) == limit:
                     break
-                total += 1
-                if len(names) < limit:
-                    names.append(name.decode(errors="replace") if isinstance(name, bytes) else name)
-        except Exception as error:  # noqa: BLE001 - redis-py's exceptions, mapped to kvctl's
-            raise _map_redis_error(error) from None
-        finally:
-            client.close()
-        return names, total
+                names.append(name.decode(errors="replace") if isinstance(name, bytes) else name)
+            return names
 
     def value_sizes(self, names: Sequence[str]) -> list[int]:
         """STRLEN of each name (0 when missing), pipelined: sizes without reading a value."""
-        client = self._redis_py()
-        try:
-            sizes = []
-            for offset in range(0, len(names), BATCH):
-                pipe = client.pipeline(transaction=False)
-                for name in names[offset:offset + BATCH]:
-                    pipe.strlen(name)
-                sizes.extend(pipe.execute())
-            return sizes
-        except Exception as error:  # noqa: BLE001
-            raise _map_redis_error(error) from None
-        finally:
-            client.close()
+        return self._per_name("strlen", names)
 
     def delete(self, names: Iterable[str]) -> int:
         """UNLINK the names, BATCH per command and every command in one pipelined round trip."""
-        client = self._redis_py()
-        try:
-            names = list(names)
-            if not names:
-                return 0
+        names = list(names)
+        if not names:
+            return 0
+        with self._session() as client:
             pipe = client.pipeline(transaction=False)
             for offset in range(0, len(names), BATCH):
                 pipe.unlink(*names[offset:offset + BATCH])
             return sum(pipe.execute())
-        except Exception as error:  # noqa: BLE001
-            raise _map_redis_error(error) from None
-        finally:
-            client.close()
 
     # -- redis-py for sentinel / cluster and for listing -------------------------------------
 
@@ -201,20 +177,30 @@ class RedisTier:
         host, port = self.url.hosts[0]
         return redis.Redis(host=host, port=port, db=self.url.db, ssl=self.url.tls, **common)
 
-    def _exists_with_redis_py(self, names: Sequence[str]) -> list[bool]:
+    @contextmanager
+    def _session(self) -> Iterator:
+        """A redis-py client for one operation, closed after it; redis-py's errors become kvctl's."""
         client = self._redis_py()
         try:
-            found = []
-            for offset in range(0, len(names), BATCH):
-                pipe = client.pipeline(transaction=False)
-                for name in names[offset:offset + BATCH]:
-                    pipe.exists(name)
-                found.extend(bool(count) for count in pipe.execute())
-            return found
-        except Exception as error:  # noqa: BLE001
+            yield client
+        except Exception as error:  # noqa: BLE001 - redis-py's exceptions, mapped to kvctl's
             raise _map_redis_error(error) from None
         finally:
             client.close()
+
+    def _per_name(self, command: str, names: Sequence[str]) -> list:
+        """The replies to `command name` for each name, pipelined BATCH at a time."""
+        with self._session() as client:
+            replies = []
+            for offset in range(0, len(names), BATCH):
+                pipe = client.pipeline(transaction=False)
+                for name in names[offset:offset + BATCH]:
+                    getattr(pipe, command)(name)
+                replies.extend(pipe.execute())
+            return replies
+
+    def _exists_with_redis_py(self, names: Sequence[str]) -> list[bool]:
+        return [bool(count) for count in self._per_name("exists", names)]
 
 
 def _map_redis_error(error: Exception):

@@ -148,7 +148,7 @@ def scan_chunks(redis, layout: str, model: str | None, limit: int) -> tuple[list
     parse = parse_object_key if layout == "mp-resp" else parse_key
     suffix = REDIS_SUFFIXES[layout]
     keys = []
-    for name in redis.scan(redis_pattern(layout, model), EVERYTHING)[0]:
+    for name in redis.scan(redis_pattern(layout, model), EVERYTHING):
         key = name.removesuffix(suffix)
         parsed = parse(key)
         if parsed is not None and (model is None or parsed.model_name == model):

@@ -218,14 +218,12 @@ def _call(client, use):
 
 def _stores(instance, shared_redis: str | None) -> list:
     """The disk and Redis stores of an instance: from its configuration directory, else from the engine."""
-    from kvctl.core.listing import engine_redis_store
-    from kvctl.core.target import Store, read_deployment
+    from kvctl.core.listing import config_stores, engine_redis_store
+    from kvctl.core.target import Store
     from kvctl.core.tiers import parse_redis_url
 
-    stores = []
-    if instance.config_dir:
-        stores = read_deployment(instance.config_dir).stores
-    elif instance.worker:
+    stores = config_stores(instance.config_dir)
+    if not instance.config_dir and instance.worker:
         from kvctl.clients.internal_api import InternalAPIClient
 
         try:
