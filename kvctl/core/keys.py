@@ -21,6 +21,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
+from typing import NamedTuple
 
 from kvctl.core.errors import KvctlError
 
@@ -166,14 +167,16 @@ def disk_file_name(key: str) -> str:
     return key.replace("/", "-") + ".pt"
 
 
-@dataclass(frozen=True)
-class ParsedKey:
+class ParsedKey(NamedTuple):  # a tuple, not a frozen dataclass: built once per stored name a tier lists
     model_name: str
     world_size: int
     worker_id: int
     chunk_hash: str
     kv_dtype: str
     tags: tuple[str, ...] = ()
+
+
+KEY_DTYPES = frozenset(DTYPE_NAMES.values())  # parse_key runs once per stored name when a tier is listed
 
 
 def parse_key(text: str) -> ParsedKey | None:
@@ -185,7 +188,7 @@ def parse_key(text: str) -> ParsedKey | None:
     if len(parts) < 5:
         return None
     world_size, worker_id, chunk_hash, dtype = parts[-4:]
-    if not (world_size.isdigit() and worker_id.isdigit() and dtype in DTYPE_NAMES.values()):
+    if not (world_size.isdigit() and worker_id.isdigit() and dtype in KEY_DTYPES):
         return None
     return ParsedKey("@".join(parts[:-4]), int(world_size), int(worker_id), chunk_hash, dtype, tuple(tags))
 
