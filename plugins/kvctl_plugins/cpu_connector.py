@@ -59,12 +59,13 @@ class VLLMCPUPagedConnector:
     """GPUConnectorInterface for vLLM CPU's paged KV cache (registered as a subclass at install)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", isa: str | None = None) -> None:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
         self.dtype = dtype
         self.kv_cache_dtype = kv_cache_dtype
+        self.isa = isa  # vLLM's attention ISA (None: the one vLLM's CPU backend picks for the cache)
         self.kvcaches: list[torch.Tensor] | None = None
         self._layout: tuple[torch.Tensor, torch.Tensor] | None = None
         self._block_size = 0
@@ -90,7 +91,7 @@ class VLLMCPUPagedConnector:
         if self._layout is None or block_size != self._block_size:
             from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-            isa = _get_attn_isa(layer.dtype, block_size, self.head_size, self.kv_cache_dtype)
+            isa = self.isa or _get_attn_isa(layer.dtype, block_size, self.head_size, self.kv_cache_dtype)
             self._layout = probe_block_layout(num_kv_heads, block_size, self.head_size, layer.dtype, isa)
             self._block_size = block_size
         slots = slots.to(torch.int64)

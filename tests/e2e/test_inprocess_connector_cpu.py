@@ -1,5 +1,15 @@
 """vLLM CPU + LMCacheConnectorV1 + kvctl's plugins: a restarted vLLM gets LMCache hits from the disk
-and Redis tiers, produces the same greedy output, and never waits on lookup timeouts."""
+and Redis tiers, produces the same greedy output, and never waits on lookup timeouts.
+
+The proof that the loaded KV is the right KV compares like with like, so it holds on every CPU: the
+restarted run (prefix from LMCache, the rest computed) is compared bit for bit with the first server
+answering the same prompt again from vLLM's own prefix cache (prefix from the bf16 paged cache, the
+rest computed). The prompt is cut so that both prefixes are the same tokens: LMCache stores whole
+chunks (a multiple of 256), vLLM reuses whole blocks of 128 but never the last prompt token, so a
+prompt of 1024 + t tokens with 0 < t < 128 makes both 1024. A full recompute (the first request)
+reads K/V before they are rounded into the cache, and whether that agrees to the last bit depends
+on the CPU's kernels: it is held to the same greedy text and a bf16-sized logprob tolerance.
+"""
 
 import json
 import re
@@ -13,6 +23,23 @@ from kvctl.clients.offload import OffloadClient, offload_socket_path
 from tests.helpers import free_port, run_kvctl, start_vllm, stop_process, wait_until
 
 PROMPT = (sysconfig.get_paths()["stdlib"] + "/json/__init__.py")
+CHUNK, VLLM_BLOCK = 256, 128  # LMCache's default chunk size; vLLM CPU's block size
+# bf16 keeps 8 significant bits (relative rounding 2**-9): rounding the prefix K/V moves a logprob of
+# magnitude ~10 by a few 1e-3 at most; 2**-6 leaves room for that and still catches wrong KV, which
+# changes logprobs by whole units (zeroing K on load does).
+RECOMPUTE_LOGPROB_TOLERANCE = 2**-6
+
+
+def prompt_with_short_tail(model_dir) -> tuple[str, int]:
+    """A prompt of k*CHUNK + t tokens (k >= 4, 0 < t < VLLM_BLOCK), and that token count."""
+    from kvctl.core.tokens import LocalTokenizer
+
+    tokenizer, text = LocalTokenizer(model_dir), open(PROMPT).read()
+    for end in range(2500, len(text), 7):
+        count = len(tokenizer.encode_prompt(text[:end]))
+        if count >= 4 * CHUNK and 0 < count % CHUNK < VLLM_BLOCK:
+            return text[:end], count
+    raise AssertionError("no cut of the prompt file has a short tail")
 
 
 def serve(model, config_dir, log):
@@ -39,10 +66,16 @@ def hit_tokens(log):
     return [int(n) for n in re.findall(r"LMCache hit tokens: (\d+)", log.read_text())]
 
 
+def prefix_cache_hits(url) -> float:
+    metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(value) for value in re.findall(r"^vllm:prefix_cache_hits_total\{[^}]*\} (\S+)$", metrics, re.M))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("with_redis", [False, True], ids=["cpu+disk", "cpu+disk+redis"])
 def test_restarted_vllm_hits_lmcache(tiny_model, tmp_path, start_redis, with_redis):
-    prompt = open(PROMPT).read()[:3000]
+    prompt, prompt_tokens = prompt_with_short_tail(tiny_model)
+    stored = prompt_tokens // CHUNK * CHUNK
     port_start = free_port()
     tiers = ["--tier", "cpu:0.5", "--tier", f"disk:{tmp_path}/disk:1"]
     redis = start_redis() if with_redis else None
@@ -54,10 +87,13 @@ def test_restarted_vllm_hits_lmcache(tiny_model, tmp_path, start_redis, with_red
     first_log = tmp_path / "first.log"
     proc, url = serve(tiny_model, tmp_path / "cfg", first_log)
     try:
-        first = complete(url, tiny_model, prompt)
+        recomputed = complete(url, tiny_model, prompt)
         wait_until(lambda: "Stored" in first_log.read_text(), 30, "LMCache store")
         tokens = httpx.post(f"{url}/tokenize", json={"model": str(tiny_model), "prompt": prompt}).json()["tokens"]
-        stored = len(tokens) // 256 * 256
+        assert len(tokens) == prompt_tokens  # kvctl's offline tokenizer counts as vLLM does
+        hits_before = prefix_cache_hits(url)
+        from_vllm_cache = complete(url, tiny_model, prompt)  # the prefix from vLLM's own bf16 cache
+        assert prefix_cache_hits(url) - hits_before == stored
         with InternalAPIClient(f"http://127.0.0.1:{port_start + 1}") as worker:  # the plugin routes inside vLLM
             expected_tiers = ["cpu", "disk", "redis"] if redis else ["cpu", "disk"]
             wait_until(lambda: worker.lookup(tokens)["hit_tokens"]["total"] == stored, 30, "chunks on every tier")
@@ -74,7 +110,7 @@ def test_restarted_vllm_hits_lmcache(tiny_model, tmp_path, start_redis, with_red
             assert offload.health() < 5
     finally:
         stop_process(proc, grace=20)
-    assert hit_tokens(first_log) == [0]
+    assert hit_tokens(first_log) == [0, stored]  # the second request found it in vLLM's cache: nothing loaded
     offline = run_kvctl("lookup", "--offline", "--config", tmp_path / "cfg", "--prompt-file", tmp_path / "prompt.txt",
                         "--format", "json")  # the model comes from env.sh, the tokenizer from its directory
     assert offline.code == 0, offline.stderr
@@ -88,11 +124,13 @@ def test_restarted_vllm_hits_lmcache(tiny_model, tmp_path, start_redis, with_red
     second_log = tmp_path / "second.log"
     proc, url = serve(tiny_model, tmp_path / "cfg", second_log)
     try:
-        second = complete(url, tiny_model, prompt)
+        from_lmcache = complete(url, tiny_model, prompt)
     finally:
         stop_process(proc, grace=20)
     assert hit_tokens(second_log) == [stored] and stored >= 1024
     assert re.search(rf"Retrieved {stored} out of {stored}", second_log.read_text())
-    assert second == first  # same greedy text and the same logprobs: the loaded KV is the right KV
+    assert from_lmcache == from_vllm_cache  # the same prefix KV, bit for bit: same text, same logprobs
+    assert from_lmcache[0] == recomputed[0]  # and the same greedy text as a full recompute,
+    assert max(abs(a - b) for a, b in zip(from_lmcache[1], recomputed[1])) < RECOMPUTE_LOGPROB_TOLERANCE
     for log in (first_log, second_log):
         assert "Timeout occurred" not in log.read_text() and "No supported cpu connector" not in log.read_text()

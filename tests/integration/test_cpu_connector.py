@@ -1,7 +1,13 @@
-"""The CPU connector moves exactly the KV that vLLM's own CPU attention op wrote, both ways."""
+"""The CPU connector moves exactly the KV that vLLM's own CPU attention op wrote, both ways.
+
+vLLM CPU lays K out by attention ISA: "vec" and "vec16" (every x86 machine vLLM runs on, AVX2
+or AVX-512) and "amx" (bf16 on CPUs with AMX tiles). Each ISA this machine can run is tested.
+"""
 
 import pytest
 import torch
+
+CPU_ATTENTION_ISAS = ["vec", "vec16"] + (["amx"] if torch.cpu._is_amx_tile_supported() else [])
 
 
 class MemoryObj:
@@ -9,16 +15,23 @@ class MemoryObj:
         self.tensor = torch.zeros(shape, dtype=dtype)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_store_and_retrieve_round_trip_through_vllms_cpu_layout(dtype):
-    from vllm import _custom_ops as ops
+def test_the_isa_vllm_picks_is_tested_here():
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    for dtype in (torch.bfloat16, torch.float32):
+        assert _get_attn_isa(dtype, 128, 32, "auto") in CPU_ATTENTION_ISAS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("dtype", "isa"), [(dtype, isa) for isa in CPU_ATTENTION_ISAS
+                                            for dtype in (torch.bfloat16, torch.float32)
+                                            if isa != "amx" or dtype == torch.bfloat16])  # AMX: bf16 caches only
+def test_store_and_retrieve_round_trip_through_vllms_cpu_layout(dtype, isa):
+    from vllm import _custom_ops as ops
 
     from kvctl_plugins.cpu_connector import VLLMCPUPagedConnector
 
     layers, heads, head_size, block_size, blocks, tokens = 2, 2, 32, 128, 6, 300
-    isa = _get_attn_isa(dtype, block_size, head_size, "auto")
     generator = torch.Generator().manual_seed(0)
     caches = [torch.zeros(blocks, heads, block_size, 2 * head_size, dtype=dtype) for _ in range(layers)]
     slots = torch.randperm((blocks - 1) * block_size, generator=generator)[:tokens] + block_size  # block 0 = null
@@ -30,7 +43,7 @@ def test_store_and_retrieve_round_trip_through_vllms_cpu_layout(dtype):
         ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
         written.append((key, value))
 
-    connector = VLLMCPUPagedConnector(layers, heads, head_size, dtype)
+    connector = VLLMCPUPagedConnector(layers, heads, head_size, dtype, isa=isa)
     assert connector.get_shape(256) == torch.Size([2, layers, 256, heads * head_size])
     first, second = MemoryObj(connector.get_shape(256), dtype), MemoryObj(connector.get_shape(44), dtype)
     connector.batched_from_gpu([first, second], [0, 256], [256, 300], kvcaches=caches, slot_mapping=slots)
