@@ -95,7 +95,7 @@ class Output:
             phase = re.sub(r"\s*\(\d+ s\)$", "", text)
             if phase != last[0]:
                 last[0] = phase
-                console.print(phase, markup=False)
+                console.print(printable(phase), markup=False)
 
         update(message)
         yield update
@@ -125,7 +125,7 @@ class Output:
 
     def info(self, message: str) -> None:
         if not self.quiet:
-            self._console(err=True).print(message, markup=False)
+            self._console(err=True).print(printable(message), markup=False)
 
     def success(self, message: str) -> None:
         if not self.quiet:
@@ -154,15 +154,29 @@ class Table:
     def render(self):
         from rich.table import Table as RichTable
 
-        table = RichTable(title=self.title, caption=self.caption, title_justify="left", caption_justify="left")
+        table = RichTable(title=self.title and escape(self.title), caption=self.caption and escape(self.caption),
+                          title_justify="left", caption_justify="left")
         for column in self.columns:
             table.add_column(column, overflow="fold")
         for row in self.rows:
-            table.add_row(*(escape(cell) for cell in row))
+            table.add_row(*(escape(cell, lines=False) for cell in row))
         return table
 
 
-def escape(text: str) -> str:
+CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+CONTROL_BUT_LINES = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str, lines: bool = True) -> str:
+    """`text` with control characters (terminal escapes, bidi overrides; newlines and tabs too unless
+    `lines`) shown as \\xNN: a stored key or a server's message must never drive the terminal."""
+    return (CONTROL_BUT_LINES if lines else CONTROL).sub(
+        lambda match: f"\\x{ord(match.group()):02x}" if ord(match.group()) < 256 else f"\\u{ord(match.group()):04x}",
+        text)
+
+
+def escape(text: str, lines: bool = True) -> str:
+    """Plain text for a Rich markup string: printable, with Rich's markup escaped."""
     from rich.markup import escape
 
-    return escape(text)
+    return escape(printable(text, lines))

@@ -336,18 +336,32 @@ def evict(
                       config=config)
     targets = fleet.resolve(instance, state, inventory)
     if instance != "all":
-        run = prepare(targets[0])
-        planned = run(True)
+        eviction = prepare(targets[0])
+        planned = eviction.plan()
         total = sum(planned["removed"].values())
         _confirm(total, planned["removed"], dry_run, yes)
-        result = run(False) if total and not dry_run else {**planned, "dry_run": dry_run}
+        result = eviction.execute(planned) if total and not dry_run else {**planned, "dry_run": dry_run}
         ctx.obj.emit(result, _eviction_tables(result))
         return
     _evict_fleet(ctx.obj, targets, prepare, dry_run, yes, timeout)
 
 
-def _eviction(found, *, prompt, keys, tiers, force, model, vllm_url, coordinator, config):
-    """One instance's eviction as run(dry_run) -> result, its prompt tokenized once up front."""
+class Eviction:
+    """One instance's eviction: `plan()` is the dry run the user sees, `execute(plan)` removes exactly
+    the planned chunks, tier by tier, through `evict_keys(tier, keys)`."""
+
+    def __init__(self, plan, evict_keys) -> None:
+        self.plan = plan
+        self.evict_keys = evict_keys
+
+    def execute(self, planned: dict) -> dict:
+        from kvctl.core.listing import execute_plan
+
+        return execute_plan(planned, self.evict_keys)
+
+
+def _eviction(found, *, prompt, keys, tiers, force, model, vllm_url, coordinator, config) -> Eviction:
+    """One instance's eviction, its prompt tokenized once up front."""
     from kvctl.core import listing, mp_cache
 
     worker, info, found = _open(found, vllm_url)
@@ -357,7 +371,9 @@ def _eviction(found, *, prompt, keys, tiers, force, model, vllm_url, coordinator
         selection = {"tiers": tiers, "force": force, "keys": keys}
         if prompt:
             selection["tokens"] = _tokens(target.model or _mp_model(found, None)[0], *prompt, model, found.vllm)
-        return lambda dry: mp_cache.evict(target, dry_run=dry, **selection)
+        return Eviction(lambda: mp_cache.evict(target, dry_run=True, **selection),
+                        lambda tier, chunk_keys: mp_cache.evict(target, dry_run=False, tiers=[tier], force=force,
+                                                                keys=chunk_keys))
     worker.close()  # each run opens its own: a fleet plans and evicts on other threads
     from kvctl.clients.internal_api import InternalAPIClient
 
@@ -367,11 +383,13 @@ def _eviction(found, *, prompt, keys, tiers, force, model, vllm_url, coordinator
     elif keys:
         selection["keys"] = keys
 
-    def run(dry: bool) -> dict:
-        with InternalAPIClient(found.worker) as worker:
-            return listing.evict_from_instance(worker, dry_run=dry, **selection)
+    def evict_through_engine(**chosen) -> dict:
+        with InternalAPIClient(found.worker) as engine:
+            return listing.evict_from_instance(engine, **chosen)
 
-    return run
+    return Eviction(lambda: evict_through_engine(dry_run=True, **selection),
+                    lambda tier, chunk_keys: evict_through_engine(dry_run=False, tiers=[tier], everything=False,
+                                                                  keys=chunk_keys, force=force))
 
 
 def _confirm(total: int, counts: dict[str, int], dry_run: bool, yes: bool) -> None:
@@ -398,22 +416,22 @@ def _evict_fleet(out, targets, prepare, dry_run: bool, yes: bool, timeout: float
 
     from kvctl.core import instances as fleet
 
-    runs: dict[str, object] = {}
+    evictions: dict[str, Eviction] = {}
 
     def plan(found):
-        runs[found.name] = prepare(found)
-        return runs[found.name](True)
+        evictions[found.name] = prepare(found)
+        return evictions[found.name].plan()
 
     outcomes = fleet.fan_out(targets, plan, timeout)
+    plans = {outcome.instance: outcome.result for outcome in outcomes if outcome.error is None}
     counts: Counter = Counter()
-    for outcome in outcomes:
-        if outcome.error is None:
-            counts.update(outcome.result["removed"])
+    for planned in plans.values():
+        counts.update(planned["removed"])
     _confirm(sum(counts.values()), dict(counts), dry_run, yes)
     if not dry_run and sum(counts.values()):
-        planned = {outcome.instance for outcome in outcomes if outcome.error is None}
-        done = {o.instance: o for o in fleet.fan_out([t for t in targets if t.name in planned],
-                                                      lambda found: runs[found.name](False), timeout)}
+        done = {o.instance: o for o in fleet.fan_out([t for t in targets if t.name in plans],
+                                                      lambda found: evictions[found.name].execute(plans[found.name]),
+                                                      timeout)}
         outcomes = [done.get(outcome.instance, outcome) for outcome in outcomes]
     reports, code = fleet.fleet_reports(outcomes, lambda result: {**result, "dry_run": dry_run})
     out.emit({"dry_run": dry_run, "instances": reports},

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import socket
 import ssl
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from kvctl.core.errors import RejectedError, ServerError, UnreachableError
@@ -149,16 +149,10 @@ class RedisTier:
         """STRLEN of each name (0 when missing), pipelined: sizes without reading a value."""
         return self._per_name("strlen", names)
 
-    def delete(self, names: Iterable[str]) -> int:
-        """UNLINK the names, BATCH per command and every command in one pipelined round trip."""
-        names = list(names)
-        if not names:
-            return 0
-        with self._session() as client:
-            pipe = client.pipeline(transaction=False)
-            for offset in range(0, len(names), BATCH):
-                pipe.unlink(*names[offset:offset + BATCH])
-            return sum(pipe.execute())
+    def unlink_each(self, names: Sequence[str]) -> list[int]:
+        """UNLINK every name on its own (a cluster keeps a chunk's two names in different slots), pipelined
+        BATCH at a time: for each name, 1 if it was removed, 0 if it was not there."""
+        return self._per_name("unlink", names)
 
     # -- redis-py for sentinel / cluster and for listing -------------------------------------
 

@@ -15,6 +15,7 @@ H(0, (0,)); only complete chunks; one key per rank, kv_rank = ws<<24 | rank<<16 
 
 from __future__ import annotations
 
+import re
 import struct
 import subprocess
 import sys
@@ -177,18 +178,24 @@ class ParsedKey(NamedTuple):  # a tuple, not a frozen dataclass: built once per 
 
 
 KEY_DTYPES = frozenset(DTYPE_NAMES.values())  # parse_key runs once per stored name when a tier is listed
+# How LMCache writes the fields: "{:d}" integers (no sign, no leading zero) and "{:x}" of a 64-bit hash
+# (lowercase, no leading zero, a sign only for Python's builtin hash). Anything else is not its key.
+CANONICAL_COUNT = re.compile(r"0|[1-9][0-9]{0,9}").fullmatch
+CANONICAL_HASH = re.compile(r"-?(?:0|[1-9a-f][0-9a-f]{0,15})").fullmatch
 
 
 def parse_key(text: str) -> ParsedKey | None:
-    """Reverse of key_string; None when `text` is not an LMCache chunk key."""
+    """Reverse of key_string; None unless every field is what LMCache writes, so that a foreign name
+    that merely looks alike (`llama@2024@12@report@halfmetadata`) is never taken for a chunk."""
     parts = text.split("@")
     tags: list[str] = []
     while len(parts) > 5 and "%" in parts[-1]:
         tags.insert(0, parts.pop())
-    if len(parts) < 5:
+    if len(parts) < 5 or not parts[0]:
         return None
     world_size, worker_id, chunk_hash, dtype = parts[-4:]
-    if not (world_size.isdigit() and worker_id.isdigit() and dtype in KEY_DTYPES):
+    if not (dtype in KEY_DTYPES and CANONICAL_COUNT(world_size) and world_size != "0" and CANONICAL_COUNT(worker_id)
+            and CANONICAL_HASH(chunk_hash)):
         return None
     return ParsedKey("@".join(parts[:-4]), int(world_size), int(worker_id), chunk_hash, dtype, tuple(tags))
 
@@ -287,20 +294,25 @@ def mp_object_keys(tokens: Sequence[int], recipe: MPKeyRecipe) -> list[list[Obje
             for chunk_hash in mp_chunk_hashes(tokens, recipe)]
 
 
+MP_RANK = re.compile(r"[0-9a-f]{8}").fullmatch
+MP_GROUP = re.compile(r"0|[1-9a-f][0-9a-f]{0,7}").fullmatch
+MP_HASH = re.compile(r"[0-9a-f]{16}|[0-9a-f]{64}").fullmatch  # 8-byte int hashes, 32-byte blake3 digests
+MP_SALT = re.compile(r"[^@/\\\x00]{1,128}").fullmatch
+
+
 def parse_object_key(text: str) -> ObjectKey | None:
-    """Reverse of native_key and fs_file_name (either form); None when `text` is no MP chunk key, so
-    that stray files and foreign Redis keys that happen to look alike are never taken for chunks."""
+    """Reverse of native_key and fs_file_name (either form); None unless every field is what the MP
+    server writes, so that stray files and foreign Redis keys that look alike are never taken for chunks."""
     fs_form = text.endswith(".data")
     parts = text.removesuffix(".data").split("@")
     if len(parts) not in (4, 5) or not parts[0]:
         return None
     model, rank, group, chunk_hash = parts[:4]
     if fs_form:
-        model, rank = model.replace("-SEP-", "/"), rank.removeprefix("0x")
-    try:
-        if len(rank) != 8 or not chunk_hash or len(chunk_hash) % 2:
+        if not rank.startswith("0x"):
             return None
-        return ObjectKey(bytes.fromhex(chunk_hash), model, int(rank, 16), int(group, 16),
-                         parts[4] if len(parts) == 5 else "")
-    except ValueError:
+        model, rank = model.replace("-SEP-", "/"), rank[2:]
+    salt = parts[4] if len(parts) == 5 else ""
+    if not (MP_RANK(rank) and MP_GROUP(group) and MP_HASH(chunk_hash) and (not salt or MP_SALT(salt))):
         return None
+    return ObjectKey(bytes.fromhex(chunk_hash), model, int(rank, 16), int(group, 16), salt)

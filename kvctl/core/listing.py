@@ -45,15 +45,11 @@ class TierListing:
                 "chunks": [asdict(chunk) for chunk in self.chunks]}
 
 
-def model_of(key: str) -> str:
-    """The model name a chunk key starts with (both modes put it first)."""
-    return key.split("@", 1)[0]
-
-
-def _matches(key: str, model: str | None, mangled: bool = False) -> bool:
-    """Whether a chunk key belongs to `model`. LocalDiskBackend's file names carry the model with '/'
-    replaced by '-' (`mangled`), so there 'org/m' and a model named 'org-m' cannot be told apart."""
-    return model is None or model_of(key) == (model.replace("/", "-") if mangled else model)
+def _of_model(parsed, model: str | None, mangled: bool = False) -> bool:
+    """Whether a parsed chunk key (None: not a chunk key) belongs to `model`, the whole model field
+    ('llama@v2' is not 'llama'). LocalDiskBackend's file names carry the model with '/' replaced by
+    '-' (`mangled`), so there 'org/m' and a model named 'org-m' cannot be told apart."""
+    return parsed is not None and (model is None or parsed.model_name == (model.replace("/", "-") if mangled else model))
 
 
 def from_engine(worker, tier: str, limit: int, model: str | None = None) -> TierListing:
@@ -63,7 +59,7 @@ def from_engine(worker, tier: str, limit: int, model: str | None = None) -> Tier
     while offset is not None:
         page = worker.keys(tier, offset, ENGINE_PAGE if model else max(1, min(limit, ENGINE_PAGE)))
         for entry in page["keys"]:
-            if not _matches(entry["key"], model):
+            if model is not None and not _of_model(parse_key(entry["key"]), model):
                 continue
             listing.total += 1
             if len(listing.chunks) < limit:
@@ -106,11 +102,10 @@ def disk_chunks(store: Store, model: str | None = None) -> dict[str, str]:
     for name in DiskTier(store.directories, suffix).names():
         if store.layout == "mp-fs":
             parsed = parse_object_key(name)
-            key = parsed.native_key() if parsed else None
-        else:
-            key = name[: -len(suffix)] if parse_key(name[: -len(suffix)]) else None
-        if key is not None and _matches(key, model, mangled=store.layout == "lmcache-disk"):
-            found[key] = name
+            if _of_model(parsed, model):
+                found[parsed.native_key()] = name
+        elif _of_model(parse_key(name[: -len(suffix)]), model, mangled=True):
+            found[name[: -len(suffix)]] = name
     return found
 
 
@@ -150,8 +145,7 @@ def scan_chunks(redis, layout: str, model: str | None, limit: int) -> tuple[list
     keys = []
     for name in redis.scan(redis_pattern(layout, model), EVERYTHING):
         key = name.removesuffix(suffix)
-        parsed = parse(key)
-        if parsed is not None and (model is None or parsed.model_name == model):
+        if _of_model(parse(key), model):
             keys.append(key)
     return keys[:limit], len(keys)
 
@@ -235,22 +229,27 @@ def redis_tier_keys(store: Store, model: str) -> list[str]:
         return scan_chunks(redis, store.layout, model, EVERYTHING)[0]
 
 
-def unlink_chunks(store: Store, keys: list[str]) -> None:
-    """Remove chunks from a Redis tier: every name each one occupies, by batched UNLINK."""
+def unlink_chunks(store: Store, keys: list[str]) -> list[str]:
+    """Remove chunks from a Redis tier, every name each one occupies; the keys of the chunks Redis
+    actually removed (a name that was already gone removes nothing)."""
     from kvctl.clients.redis_tier import RedisTier
 
+    names = [redis_chunk_names(key, store.layout) for key in keys]
     with RedisTier(store.redis) as redis:
-        redis.delete([name for key in keys for name in redis_chunk_names(key, store.layout)])
+        replies = iter(redis.unlink_each([name for chunk in names for name in chunk]))
+    return [key for key, chunk in zip(keys, names) if sum(next(replies) for _ in chunk)]
 
 
 def evict_from_instance(worker, *, tiers: list[str] | None, everything: bool, dry_run: bool,
                         **selection: Any) -> dict[str, Any]:
-    """Evict through the engine's routes; a whole Redis tier is enumerated here by SCAN, since LMCache
-    cannot list it. Only chunks of the engine's own model are taken from a Redis that others may share."""
+    """Evict through the engine's routes, except Redis by keys or whole: kvctl removes those chunks
+    itself (pipelined, counted from what Redis removed) after asking the engine which ones its pins
+    hold. A whole Redis tier is enumerated by SCAN, since LMCache cannot list it: only chunks of the
+    engine's own model are taken from a Redis that others may share."""
     info = worker.info()
     present = [entry["tier"] for entry in info["tiers"]]
     chosen = present if not tiers or "all" in tiers else tiers
-    direct = ["redis"] if everything and "redis" in chosen and "redis" in present else []
+    direct = ["redis"] if "tokens" not in selection and "redis" in chosen and "redis" in present else []
     result: dict[str, Any] = {"dry_run": dry_run, "removed": {}, "skipped_pinned": {}, "chunks": []}
     routed = [tier for tier in chosen if tier not in direct]
     if routed:
@@ -260,16 +259,53 @@ def evict_from_instance(worker, *, tiers: list[str] | None, everything: bool, dr
         result["chunks"].extend(answer["chunks"])
     if direct:
         store = engine_redis_store(worker)
-        keys = redis_tier_keys(store, info["model"])
+        keys = redis_tier_keys(store, info["model"]) if everything else _chunk_keys(selection["keys"])
         kept = 0
         if info["pins"] and not selection.get("force") and keys:  # the engine knows which chunks its pins hold
-            planned = worker.evict(keys=keys, tiers=["redis"], dry_run=True)
+            planned = worker.evict(keys=keys, tiers=["redis"], dry_run=True, force=False)
             kept, keys = planned["skipped_pinned"]["redis"], [chunk["key"] for chunk in planned["chunks"]]
+        elif not everything:
+            keys = stored_redis_keys(store, keys)
         if not dry_run:
-            unlink_chunks(store, keys)
+            keys = unlink_chunks(store, keys)
         result["removed"]["redis"] = len(keys)
         result["skipped_pinned"]["redis"] = kept
         result["chunks"].extend({"tier": "redis", "key": key} for key in keys)
+    return result
+
+
+def _chunk_keys(keys: list[str]) -> list[str]:
+    from kvctl.core.errors import UsageError
+
+    bad = [key for key in keys if parse_key(key) is None]
+    if bad:
+        raise UsageError(f"not an LMCache chunk key: {bad[0]!r}",
+                         hint="keys read model@world_size@worker@hash@dtype; kvctl ls and kvctl keys print them")
+    return list(dict.fromkeys(keys))
+
+
+def stored_redis_keys(store: Store, keys: list[str]) -> list[str]:
+    """Those of `keys` whose chunk Redis holds (LMCache's presence test: the metadata name)."""
+    from kvctl.clients.redis_tier import RedisTier
+
+    with RedisTier(store.redis) as redis:
+        return [key for key, held in zip(keys, redis.exists([redis_chunk_names(key, store.layout)[-1] for key in keys]))
+                if held]
+
+
+def execute_plan(plan: dict[str, Any], evict_keys) -> dict[str, Any]:
+    """Remove exactly the chunks a dry run planned (and the user confirmed), tier by tier through
+    `evict_keys(tier, keys) -> result`: chunks written since the plan are not taken."""
+    by_tier: dict[str, list[str]] = {}
+    for chunk in plan["chunks"]:
+        by_tier.setdefault(chunk["tier"], []).append(chunk["key"])
+    result = {"dry_run": False, "removed": dict.fromkeys(plan["removed"], 0),
+              "skipped_pinned": dict(plan["skipped_pinned"]), "chunks": []}
+    for tier, keys in by_tier.items():
+        answer = evict_keys(tier, keys)
+        result["removed"][tier] = answer["removed"].get(tier, 0)
+        result["skipped_pinned"][tier] = result["skipped_pinned"].get(tier, 0) + answer["skipped_pinned"].get(tier, 0)
+        result["chunks"].extend(answer["chunks"])
     return result
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from kvctl.core.errors import ServerError, UsageError
 from kvctl.core.keys import ObjectKey, parse_object_key
-from kvctl.core.listing import disk_chunks, l1_entries, redis_tier_keys
+from kvctl.core.listing import disk_chunks, l1_entries, redis_tier_keys, stored_redis_keys
 from kvctl.core.target import Store
 
 ADAPTER_TYPES = {"mp-fs": "fs", "mp-resp": "resp"}
@@ -127,15 +127,10 @@ def _evict_l1(server, wanted: list[ObjectKey] | None, model: str | None, dry_run
 
 def stored(store: Store, model: str | None, names: list[str] | None = None) -> list[str]:
     """The chunk keys an L2 store holds: all of `model`'s, or those of `names`."""
-    from kvctl.clients.redis_tier import RedisTier
-
     if store.layout == "mp-fs":
         held = disk_chunks(store, model if names is None else None)
         return list(held) if names is None else [name for name in names if name in held]
-    if names is None:
-        return redis_tier_keys(store, model)
-    with RedisTier(store.redis) as redis:
-        return [name for name, held in zip(names, redis.exists(names)) if held]
+    return redis_tier_keys(store, model) if names is None else stored_redis_keys(store, names)
 
 
 def _evict_l2(server, store: Store, wanted: list[ObjectKey] | None, model: str | None, pinned: set[str],

@@ -2,13 +2,18 @@
 (CPU + disk + Redis tiers, a real redis-server)."""
 
 import json
+import os
+import pty
+import select
+import subprocess
+import time
 
 import pytest
 
 from kvctl.cli.cache import parse_duration
 from kvctl.core.errors import UsageError
 from kvctl.core.keys import KeyRecipe, disk_file_name, inprocess_keys
-from tests.helpers import free_port, http_json, run_kvctl, start_standalone_engine, stop_process, wait_until
+from tests.helpers import KVCTL, free_port, http_json, run_kvctl, start_standalone_engine, stop_process, wait_until
 
 CHUNK = 256
 CHUNK_BYTES = 2 * 2 * CHUNK * 64 * 2  # kv, layers, tokens, heads x head size, float16
@@ -132,20 +137,107 @@ def test_evict_whole_redis_tier_takes_only_this_models_unpinned_chunks(engine):
     pinned_tokens = store(engine, 40_000, 1)
     pinned_key = inprocess_keys(json.loads(pinned_tokens.read_text()), RECIPE)[0]
     pin = answer(engine, "pin", "--tokens-file", pinned_tokens)
-    foreign = ["other@1@0@abc@halfmetadata", "other@1@0@abc@halfkv_bytes", "session:42"]
-    engine["redis"].mset({name: b"x" for name in foreign})
     ours = set(engine["redis"].scan_iter("tiny@*"))
+    # another model's chunk, a plain key, and names of this model's shape whose fields LMCache never writes
+    foreign = ["other@1@0@abc@halfmetadata", "other@1@0@abc@halfkv_bytes", "session:42",
+               "tiny@1@0@session-token@bfloat16metadata", "tiny@1@0@session-token@bfloat16kv_bytes",
+               "tiny@2024@12@report@halfmetadata", "tiny@1@0@00ab@halfmetadata", "tiny@v2@1@0@abc@halfmetadata"]
+    engine["redis"].mset({name: b"x" for name in foreign})
     dry = answer(engine, "evict", "--tier", "redis", "--dry-run")
     assert dry["removed"] == {"redis": len(ours) // 2 - 1} and dry["skipped_pinned"] == {"redis": 1}
     assert {c["key"][:5] for c in dry["chunks"]} == {"tiny@"} and pinned_key not in {c["key"] for c in dry["chunks"]}
-    assert set(engine["redis"].scan_iter("tiny@*")) == ours  # a dry run removes nothing
+    assert set(engine["redis"].scan_iter("tiny@*")) == ours | {name.encode() for name in foreign if name[:5] == "tiny@"}
     done = answer(engine, "evict", "--tier", "redis", "--yes")
-    assert done["removed"] == dry["removed"]
-    assert sorted(engine["redis"].scan_iter("tiny@*")) == sorted(f"{pinned_key}{s}".encode() for s in ("kv_bytes", "metadata"))
+    assert done["removed"] == dry["removed"] and done["chunks"] == dry["chunks"]
+    left = {name for name in engine["redis"].scan_iter("tiny@*")} - {name.encode() for name in foreign}
+    assert sorted(left) == sorted(f"{pinned_key}{s}".encode() for s in ("kv_bytes", "metadata"))
     assert all(engine["redis"].exists(name) for name in foreign)  # nothing the user did not select
     after = answer(engine, "lookup", "--tokens-file", tokens)
     assert [chunk["tiers"] for chunk in after["chunks"]] == [["cpu", "disk"]] * 2
     forced = answer(engine, "evict", "--tier", "redis", "--yes", "--force")
-    assert forced["removed"] == {"redis": 1} and list(engine["redis"].scan_iter("tiny@*")) == []
+    assert forced["removed"] == {"redis": 1} and not left & set(engine["redis"].scan_iter("tiny@*"))
+    assert all(engine["redis"].exists(name) for name in foreign)
     answer(engine, "unpin", "--pin-id", pin["pin_id"])
     engine["redis"].delete(*foreign)
+
+
+@pytest.mark.slow
+def test_removed_counts_what_redis_removed(engine):
+    tokens = store(engine, 50_000, 2)
+    first, second = inprocess_keys(json.loads(tokens.read_text()), RECIPE)
+    engine["redis"].delete(second + "kv_bytes", second + "metadata")  # gone between the plan and the removal
+    done = answer(engine, "evict", "--key", first, "--key", second, "--tier", "redis", "--yes")
+    assert done["removed"] == {"redis": 1} and done["chunks"] == [{"tier": "redis", "key": first}]
+    assert not engine["redis"].exists(first + "kv_bytes", first + "metadata")
+
+
+@pytest.mark.slow
+def test_disk_listing_by_model_takes_the_whole_model_field(engine, tmp_path):
+    store(engine, 60_000, 1)
+    disk = engine["root"] / "disk"
+    lookalikes = ["tiny@v2@1@0@abc@half.pt", "tiny@1@0@report@half.pt", "tiny@1@0@\x1b[31mred@half.pt"]
+    for name in lookalikes:
+        (disk / name).write_bytes(b"x")
+    try:
+        listed = run_kvctl("ls", "--config", engine["root"] / "cfg", "--tier", "disk", "--model", "tiny",
+                           "--limit", "1000", "--format", "json")
+        keys = {chunk["key"] for chunk in json.loads(listed.stdout)["tiers"][0]["chunks"]}
+        assert keys and all(key.startswith("tiny@1@0@") for key in keys) and not {"tiny@v2@1@0@abc@half"} & keys
+        other = run_kvctl("ls", "--config", engine["root"] / "cfg", "--tier", "disk", "--model", "tiny@v2",
+                          "--format", "json")
+        assert [chunk["key"] for chunk in json.loads(other.stdout)["tiers"][0]["chunks"]] == ["tiny@v2@1@0@abc@half"]
+    finally:
+        for name in lookalikes:
+            (disk / name).unlink()
+
+
+@pytest.mark.slow
+def test_control_characters_in_stored_keys_never_reach_the_terminal(engine):
+    hostile = "evil\x1b]0;pwned\x07\x1b[2J@1@0@abc@half"
+    engine["redis"].set(hostile + "metadata", b"m")
+    try:
+        shown = run_kvctl("ls", "--instance", engine["url"], "--tier", "redis", "--format", "table",
+                          env={"COLUMNS": "200"})
+        assert shown.code == 0, shown.stderr
+        assert "\x1b" not in shown.stdout and "\x07" not in shown.stdout
+        assert "evil\\x1b]0;pwned\\x07" in shown.stdout.replace("\n", "")
+    finally:
+        engine["redis"].delete(hostile + "metadata")
+
+
+def read_until(leader, text: bytes, timeout: float) -> bytes:
+    """What the terminal shows until `text` appears, the program closes it, or `timeout` passes."""
+    output, deadline = b"", time.monotonic() + timeout
+    while text not in output and time.monotonic() < deadline:
+        if select.select([leader], [], [], 0.5)[0]:
+            try:
+                output += os.read(leader, 65536)
+            except OSError:  # the program exited and closed the terminal
+                break
+    return output
+
+
+@pytest.mark.slow
+def test_the_confirmed_plan_is_what_goes(engine):
+    """Chunks written while kvctl waits for the answer are not taken: the run removes what was shown."""
+    store(engine, 70_000, 2)
+    planned = answer(engine, "evict", "--tier", "disk", "--dry-run")["chunks"]
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([str(KVCTL), "evict", "--tier", "disk", "--instance", engine["url"], "--format", "json"],
+                            stdin=follower, stdout=follower, stderr=follower)
+    os.close(follower)
+    try:
+        asked = read_until(leader, b"evict", 60)
+        assert f"disk: {len(planned)}".encode() in asked, asked
+        late = store(engine, 80_000, 1)  # written after the plan, before the answer
+        os.write(leader, b"y\n")
+        shown = read_until(leader, b"\n}", 60)
+        assert proc.wait(60) == 0
+    finally:
+        proc.kill()
+        os.close(leader)
+    late_key = inprocess_keys(json.loads(late.read_text()), RECIPE)[0]
+    assert (engine["root"] / "disk" / disk_file_name(late_key)).exists()
+    assert b"Traceback" not in shown
+    after = answer(engine, "lookup", "--tokens-file", late)
+    assert after["chunks"][0]["tiers"] == ["cpu", "disk", "redis"]

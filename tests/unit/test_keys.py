@@ -59,12 +59,34 @@ def test_mp_names():
 
 def test_mp_keys_parse_back_from_either_name_and_nothing_else_does():
     for key in (ObjectKey(bytes.fromhex("ab" * 32), "/models/tiny", kv_rank(2, 1), 3, "tenant"),
-                ObjectKey(b"\x01", "m", kv_rank(1, 0))):
+                ObjectKey(bytes(range(8)), "m", kv_rank(1, 0))):
         assert parse_object_key(key.native_key()) == key == parse_object_key(key.fs_file_name())
         assert ObjectKey.from_encoded(key.encoded()) == key
+    h8 = "00" * 8
     for foreign in ("README.data", "notes@a@b@c.data", "session:42", "m@00000001@0@zz", "m@1@0@ab", "@00000001@0@ab",
-                    "m@00000001@0@ab@s@x"):
+                    "m@00000001@0@ab@s@x", f"m@00000001@0@{h8.upper()}ff", f"m@0000000A@0@{h8}",
+                    f"m@00000001@00@{h8}", f"m@00000001@0@{h8}aa", f"m@00000001@0@{h8} ", f"m@00000001@0@{h8}@a/b",
+                    f"m@01000100@0@{h8}.data"):  # an fs name carries 0x before the rank
         assert parse_object_key(foreign) is None, foreign
+
+
+@pytest.mark.parametrize("name", [
+    "llama@1@0@session-token@bfloat16",  # the hash field is not hex
+    "llama@2024@12@report@half",
+    "llama@1@0@00ab@half",  # LMCache's {:x} writes no leading zero
+    "llama@1@0@AB12@half",  # nor upper case
+    "llama@1@0@1234567890abcdef0@half",  # nor more than 64 bits
+    "llama@01@0@ab@half", "llama@0@0@ab@half", "llama@1@-0@ab@half", "llama@1@0@ab@halfish", "@1@0@ab@half",
+    "llama@1@0@+ab@half", "llama@1@0@-@half",
+])
+def test_only_canonical_chunk_keys_parse(name):
+    assert parse_key(name) is None
+
+
+def test_canonical_chunk_keys_parse():
+    for name, model in (("llama@1@0@-1a6e12a9bdb7fd70@half", "llama"), ("llama@v2@8@7@0@fp8_e4m3fn", "llama@v2"),
+                        ("m@1@0@ffffffffffffffff@bfloat16@user%alice", "m")):
+        assert parse_key(name).model_name == model
 
 
 def test_dtype_names():
