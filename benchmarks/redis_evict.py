@@ -2,7 +2,7 @@
 
 A redis-server on 127.0.0.1 holds N LMCache chunks (two names each, as LMCache's RedisConnector writes
 them) plus other keys that must stay. kvctl finds the model's chunks by SCAN and removes both names of
-each by batched UNLINK, exactly as `kvctl evict --tier redis` does; its names-removed rate (SCAN
+each by pipelined UNLINK, exactly as `kvctl evict --tier redis` does; its names-removed rate (SCAN
 included) is compared with redis-benchmark's pipelined UNLINK (16 per round trip, its default 50 clients).
 Goal (issue: cache operations): at least 50 %. The last line holds the figures.
 """
@@ -34,9 +34,9 @@ def main() -> None:
 
     with redis_server() as port:
         client = redis.Redis(port=port)
-        keys = [f"model@1@0@{index:016x}@bfloat16" for index in range(CHUNKS)]
+        keys = [f"model@1@0@{index + 2**60:x}@bfloat16" for index in range(CHUNKS)]  # {:x} of a 64-bit hash
         fill(client, [key + suffix for key in keys for suffix in ("kv_bytes", "metadata")])
-        fill(client, [f"other@1@0@{index:016x}@bfloat16metadata" for index in range(OTHERS)])
+        fill(client, [f"other@1@0@{index + 2**60:x}@bfloat16metadata" for index in range(OTHERS)])
         store = Store("redis", "lmcache-redis", redis=parse_redis_url(f"redis://127.0.0.1:{port}"))
         start = time.perf_counter()
         found = redis_tier_keys(store, "model")

@@ -234,10 +234,9 @@ def unlink_chunks(store: Store, keys: list[str]) -> list[str]:
     actually removed (a name that was already gone removes nothing)."""
     from kvctl.clients.redis_tier import RedisTier
 
-    names = [redis_chunk_names(key, store.layout) for key in keys]
     with RedisTier(store.redis) as redis:
-        replies = iter(redis.unlink_each([name for chunk in names for name in chunk]))
-    return [key for key, chunk in zip(keys, names) if sum(next(replies) for _ in chunk)]
+        removed = redis.unlink_groups([redis_chunk_names(key, store.layout) for key in keys])
+    return [key for key, count in zip(keys, removed) if count]
 
 
 def evict_from_instance(worker, *, tiers: list[str] | None, everything: bool, dry_run: bool,
