@@ -225,29 +225,18 @@ def mp_l1_presence(url: str, token_ids: list[int], target) -> tuple[dict[str, li
 
 
 def live_lookup(instance: str, prompt_file, chat, tokens_file, model, vllm_url):
-    """Ask every worker's kvctl routes (the authoritative view, CPU tier included)."""
+    """Look a prompt up through a running in-process engine (every worker; its Redis checked)."""
     from kvctl.clients.internal_api import InternalAPIClient
-    from kvctl.core.lookup import from_engine_answers
+    from kvctl.core.lookup import engine_lookup
 
     with InternalAPIClient(instance) as worker:
         info = worker.info()
-        if info.get("engine") == "mp":
-            raise UsageError(f"{instance} is an LMCache MP server: its lookup joins the L2 tiers of its configuration",
-                             hint="pass --config with the server's configuration directory too")
-        model_dir = model or (info["model"] if Path(info["model"]).is_dir() else None)
-        token_ids = load_tokens(prompt_file, chat, tokens_file, model_dir, vllm_url, info["model"])
-        answers = [worker.lookup(token_ids)]
-    for rank in range(1, info["world_size"]):
-        with InternalAPIClient(worker_url(instance, rank)) as other:
-            answers.append(other.lookup(token_ids))
-    return from_engine_answers(info, answers)
-
-
-def worker_url(url: str, rank: int) -> str:
-    """Worker r listens on worker 0's port + r (port_start + 1 + r)."""
-    head, _, port = url.rstrip("/").rpartition(":") if not url.startswith("unix:") else url.rpartition("_")
-    separator = "_" if url.startswith("unix:") else ":"
-    return f"{head}{separator}{int(port) + rank}"
+    if info.get("engine") == "mp":
+        raise UsageError(f"{instance} is an LMCache MP server: its lookup joins the L2 tiers of its configuration",
+                         hint="pass --config with the server's configuration directory too")
+    model_dir = model or (info["model"] if Path(info["model"]).is_dir() else None)
+    token_ids = load_tokens(prompt_file, chat, tokens_file, model_dir, vllm_url, info["model"])
+    return engine_lookup(instance, info, token_ids)
 
 
 def render_lookup(result) -> list:

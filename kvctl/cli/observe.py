@@ -103,9 +103,9 @@ def _stats_tables(report: dict[str, Any]) -> list:
                      f"{_number(vllm['requests_running'])} running, {_number(vllm['requests_waiting'])} waiting"))
     items: list = [Table(["metric", "value", "detail"], rows, title=f"{name} ({report.get('mode', '?')})")]
     if lmcache and lmcache["tiers"]:
-        items.append(Table(["tier", "chunks", "used", "capacity", "usage"],
+        items.append(Table(["tier", "chunks", "used", "capacity", "usage", "policy"],
                            [(t["tier"], _number(t["chunks"]), _bytes(t["used_bytes"]), _bytes(t["capacity_bytes"]),
-                             _percent(t["usage"])) for t in lmcache["tiers"]]))
+                             _percent(t["usage"]), t.get("maxmemory_policy") or "") for t in lmcache["tiers"]]))
     return items
 
 

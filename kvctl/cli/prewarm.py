@@ -59,13 +59,18 @@ def prewarm(
                      outcome.error or "ok"))
     tokens = sum(entry["prompt_tokens"] for entry in report if entry["error"] is None)
     failed = sum(1 for entry in report if entry["error"])
+    unknown = {tier: message for entry in report for tier, message in entry.get("tier_errors", {}).items()}
     out.emit({"prompts": report, "tokens": tokens, "seconds": round(elapsed, 3),
               "tokens_per_s": round(tokens / elapsed, 1) if elapsed else None, "failed": failed},
              [Table(["prompt", "tokens", "cached chunks", "tiers", "status"], rows,
                     caption=f"{len(report) - failed} of {len(report)} prompts, {tokens} tokens in {elapsed:.1f} s")])
+    for tier, message in unknown.items():
+        out.error(f"{tier} tier: {message} (what it holds is not in the report)")
     if failed:
         out.error(f"{failed} of {len(report)} prompts failed", hint="see the status column (or 'error' in JSON)")
         raise typer.Exit(ExitCode.PARTIAL if failed < len(report) else ExitCode.ERROR)
+    if unknown:
+        raise typer.Exit(ExitCode.PARTIAL)
 
 
 def _prefill(out, vllm_url, model, items, concurrency):
@@ -119,17 +124,15 @@ def _cached(token_ids, instance, config, model):
     """Chunks of the prompt now cached and where, from the same lookup `kvctl lookup` does."""
     if instance and config is None:
         from kvctl.clients.internal_api import InternalAPIClient
+        from kvctl.core.lookup import engine_lookup
 
         with InternalAPIClient(instance) as worker:
-            answer = worker.lookup(token_ids)
-        chunks = answer["chunks"]
-        hit = answer["hit_tokens"]["total"]
+            info = worker.info()
+        result = engine_lookup(instance, info, token_ids)
     else:
         from kvctl.core.target import target_from_config
 
         result = read_tiers(token_ids, target_from_config(config, model, "bfloat16"), instance)
-        chunks = [{"tiers": chunk.tiers} for chunk in result.chunks]
-        hit = result.hit_tokens["total"]
-    tiers = sorted({tier for chunk in chunks for tier in chunk["tiers"]}, key=("cpu", "disk", "redis").index)
-    return {"chunks": len(chunks), "cached_chunks": sum(1 for chunk in chunks if chunk["tiers"]), "hit_tokens": hit,
-            "tiers": tiers}
+    tiers = sorted({tier for chunk in result.chunks for tier in chunk.tiers}, key=("cpu", "disk", "redis").index)
+    return {"chunks": len(result.chunks), "cached_chunks": sum(1 for chunk in result.chunks if chunk.tiers),
+            "hit_tokens": result.hit_tokens["total"], "tiers": tiers, "tier_errors": result.errors}

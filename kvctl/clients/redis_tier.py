@@ -162,6 +162,11 @@ class RedisTier:
                 names.append(name.decode(errors="replace") if isinstance(name, bytes) else name)
             return names
 
+    def memory(self) -> dict:
+        """The server's INFO memory section (used_memory, maxmemory, maxmemory_policy, …)."""
+        with self._session() as client:
+            return client.info("memory")
+
     def value_sizes(self, names: Sequence[str]) -> list[int]:
         """STRLEN of each name (0 when missing), pipelined: sizes without reading a value."""
         return self._per_name("strlen", names)

@@ -52,6 +52,13 @@ def from_state(state: dict[str, Any], name: str | None = None) -> Instance:
                     endpoints.get("mp_http"), state.get("config_dir"), state.get("model"))
 
 
+def worker_url(url: str, rank: int) -> str:
+    """Worker r's internal API, from worker 0's: it listens on worker 0's port + r (port_start + 1 + r)."""
+    head, _, port = url.rstrip("/").rpartition(":") if not url.startswith("unix:") else url.rpartition("_")
+    separator = "_" if url.startswith("unix:") else ":"
+    return f"{head}{separator}{int(port) + rank}"
+
+
 def from_url(url: str) -> Instance:
     """An instance known only by worker 0's internal API URL."""
     return Instance(url, internal_api=[url])

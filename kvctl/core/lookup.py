@@ -167,11 +167,45 @@ def lookup(tokens: Sequence[int], target: Target, open_source: Callable[[Store],
     return result
 
 
-def from_engine_answers(info: dict[str, Any], answers: list[dict[str, Any]]) -> LookupResult:
+def engine_lookup(worker0: str, info: dict[str, Any], token_ids: list[int]) -> LookupResult:
+    """Ask every worker's kvctl routes (the authoritative view, CPU tier included). LMCache's remote
+    backend answers "not contained" while its Redis is down, so Redis is asked whether it answers at
+    all: if not, the redis tier is an error, not 0 hits."""
+    from kvctl.clients.internal_api import InternalAPIClient
+    from kvctl.core.instances import worker_url
+
+    answers, down = [], {}
+    for rank in range(info["world_size"]):
+        with InternalAPIClient(worker_url(worker0, rank)) as worker:
+            answers.append(worker.lookup(token_ids))
+            if rank == 0:
+                down = tier_errors(worker, info)
+    return from_engine_answers(info, answers, down)
+
+
+def tier_errors(worker, info: dict[str, Any]) -> dict[str, str]:
+    """The tiers of a live engine that cannot answer truthfully now (its Redis, when unreachable)."""
+    from kvctl.core.listing import engine_redis_store
+    from kvctl.core.observe import redis_ping
+
+    if not any(entry["tier"] == "redis" for entry in info["tiers"]):
+        return {}
+    try:
+        redis_ping(engine_redis_store(worker).redis)
+    except KvctlError as error:
+        return {"redis": error.message}
+    return {}
+
+
+def from_engine_answers(info: dict[str, Any], answers: list[dict[str, Any]],
+                        errors: dict[str, str] | None = None) -> LookupResult:
     """A LookupResult from the /kvctl/v1/lookup answers of every worker of one engine: a chunk is in
-    a tier when every worker's copy is there (LMCache takes the minimum over ranks)."""
+    a tier when every worker's copy is there (LMCache takes the minimum over ranks). Tiers in `errors`
+    could not answer and are left out."""
     first = answers[0]
-    tiers_checked = [tier for tier in TIER_ORDER if all(tier in answer["tiers_checked"] for answer in answers)]
+    errors = errors or {}
+    tiers_checked = [tier for tier in TIER_ORDER if tier not in errors
+                     and all(tier in answer["tiers_checked"] for answer in answers)]
     presence = {tier: [all(tier in answer["chunks"][i]["tiers"] for answer in answers)
                        for i in range(len(first["chunks"]))] for tier in tiers_checked}
     chunks = [Chunk(c["index"], c["start"], c["end"], c["key"],
@@ -180,7 +214,7 @@ def from_engine_answers(info: dict[str, Any], answers: list[dict[str, Any]]) -> 
     hit_tokens = {tier: sum(sizes[:prefix_chunks(presence[tier])]) if tier in presence else 0 for tier in TIER_ORDER}
     hit_tokens["total"] = sum(sizes[:lmcache_hit_chunks(presence)])
     return LookupResult(info["model"], "inprocess", info["chunk_size"], first["prompt_tokens"], chunks, hit_tokens,
-                        tiers_checked)
+                        tiers_checked, dict(errors))
 
 
 def l1_presence(answer: dict[str, Any], tokens: Sequence[int], recipe: MPKeyRecipe) -> list[bool]:

@@ -64,6 +64,21 @@ def redis_ping(url) -> str:
     return "answers"
 
 
+def redis_usage(store, model: str) -> dict[str, Any]:
+    """A Redis tier as `stats` shows it: the chunks and bytes of `model` there (SCAN + STRLEN, no value
+    read), against the server's maxmemory and its eviction policy."""
+    from kvctl.clients.redis_tier import RedisTier
+    from kvctl.core.listing import EVERYTHING, redis_chunk_names, scan_chunks
+
+    with RedisTier(store.redis) as redis:
+        keys, total = scan_chunks(redis, store.layout, model, EVERYTHING)
+        used = sum(redis.value_sizes([name for key in keys for name in redis_chunk_names(key, store.layout)]))
+        memory = redis.memory()
+    capacity = int(memory.get("maxmemory") or 0) or None
+    return {"chunks": total, "used_bytes": used, "capacity_bytes": capacity, "usage": ratio(used, capacity),
+            "server_used_bytes": memory.get("used_memory"), "maxmemory_policy": memory.get("maxmemory_policy")}
+
+
 # -- metrics -----------------------------------------------------------------------------------------
 
 
@@ -240,6 +255,20 @@ def _stores(instance, shared_redis: str | None) -> list:
     return stores
 
 
+def _redis_tier_usage(worker, info: dict[str, Any], errors: dict[str, str]) -> dict[str, Any] | None:
+    """The usage of a live engine's Redis tier, read from Redis itself; when Redis does not answer,
+    `errors["redis"]` says so (LMCache's own remote metrics would go on showing old figures)."""
+    from kvctl.core.listing import engine_redis_store
+
+    if not any(entry["tier"] == "redis" for entry in info.get("tiers", [])):
+        return None
+    try:
+        return redis_usage(engine_redis_store(worker), info["model"])
+    except KvctlError as error:
+        errors["redis"] = error.message
+        return None
+
+
 def instance_stats(instance) -> dict[str, Any]:
     """Stats of one instance; a server that does not answer is named in `errors`, the rest still count."""
     from kvctl.clients.internal_api import InternalAPIClient
@@ -248,17 +277,22 @@ def instance_stats(instance) -> dict[str, Any]:
 
     instance = identify(instance)
     errors: dict[str, str] = {}
-    texts, info = [], None
+    texts, info, redis = [], None, None
     for index, url in enumerate(instance.internal_api[1:] or instance.internal_api):
         try:
             with InternalAPIClient(url) as worker:
-                info = worker.info() if index == 0 else info
+                if index == 0:
+                    info = worker.info()
+                    redis = _redis_tier_usage(worker, info, errors)
                 texts.append(worker.metrics())
         except KvctlError as error:
             errors[f"internal_api_worker_{index}"] = error.message
     stats: dict[str, Any] = {"instance": instance.name, "mode": instance.mode}
     if texts:
         stats["lmcache"] = lmcache_stats(merge_samples(texts), info)
+        for tier in stats["lmcache"]["tiers"]:
+            if tier["tier"] == "redis":
+                tier.update(redis or {"chunks": None, "used_bytes": None})
     if instance.mp_http:
         from kvctl.clients.mp_server import MPServerClient
 

@@ -99,6 +99,16 @@ def test_stats_count_stores_and_retrieves_from_metrics(fleet):
     tiers = {tier["tier"]: tier for tier in lmcache["tiers"]}
     assert tiers["cpu"]["chunks"] >= 2 and 0 < tiers["cpu"]["usage"] < 1
     assert tiers["cpu"]["capacity_bytes"] == int(0.05 * 1024**3)
+    redis = fleet["redis"].client()
+
+    def redis_tier_matches_redis():
+        names = [name for name in redis.scan_iter("tiny@*") if not name.startswith(b"tiny@v")]
+        tier = {tier["tier"]: tier for tier in stats()["tiers"]}["redis"]
+        return tier["chunks"] == len(names) // 2 >= 2 and tier["used_bytes"] == sum(map(redis.strlen, names))
+
+    wait_until(redis_tier_matches_redis, 30, "the Redis tier's chunks and bytes in stats")
+    redis_tier = {tier["tier"]: tier for tier in stats()["tiers"]}["redis"]
+    assert redis_tier["maxmemory_policy"] == redis.config_get("maxmemory-policy")["maxmemory-policy"]
     top, frame = kvctl("top", "--once", "--instance", url)
     assert top.code == 0 and frame["health"]["healthy"] and frame["stats"]["instances"][0]["lmcache"]
 
@@ -135,29 +145,6 @@ def test_fleet_fan_out_names_the_members_that_fail(fleet):
 
 
 @pytest.mark.slow
-def test_faults_give_documented_exit_codes(fleet, tmp_path, start_redis):
-    result, report = kvctl("health", "--instance", fleet["hung"], "--timeout", "20")
-    assert result.code == 3 and "in time" in report["instances"][0]["checks"][0]["detail"]
-    result, _ = kvctl("stats", "--instance", "http://127.0.0.1:1")
-    assert result.code == 3 and "hint:" in result.stderr
-
-    locked = start_redis(password="secret")
-    config = tmp_path / "cfg"
-    run_kvctl("config", "init", "--out", config, "--tier", "cpu:0.05", "--tier", f"redis://127.0.0.1:{locked.port}")
-    result, _ = kvctl("ls", "--config", config)
-    assert result.code == 4 and "credentials" in result.stderr  # Redis auth failure: rejected
-
-    fleet["redis"].client().shutdown(nosave=True)  # the shared Redis goes down; the engines stay up
-    result, report = kvctl("health", "--instance", fleet["urls"]["b"])
-    assert result.code == 6
-    down = [check for check in report["instances"][0]["checks"] if not check["ok"]]
-    assert [check["component"] for check in down] == ["redis"]
-    result, report = kvctl("ls", "--instance", fleet["urls"]["b"])
-    assert result.code == 6 and "redis tier:" in result.stderr
-    assert {tier["tier"] for tier in report["tiers"]} == {"cpu", "disk"}
-
-
-@pytest.mark.slow
 def test_fleet_pin_and_evict_plan_everywhere_ask_once_and_name_failures(fleet):
     tokens = fleet["root"] / "fleet-prompt.json"
     tokens.write_text(json.dumps(list(range(50_000, 50_000 + 2 * CHUNK))))
@@ -188,3 +175,34 @@ def test_fleet_pin_and_evict_plan_everywhere_ask_once_and_name_failures(fleet):
                            "--inventory", fleet["troubled"], "--timeout", "3")
     assert result.code == 6 and {"hung:", "gone:"} <= set(result.stderr.split())
     assert [r["removed"] for r in report["instances"] if "removed" in r] == [{"disk": 2}]  # a still evicted
+
+
+@pytest.mark.slow
+def test_faults_give_documented_exit_codes(fleet, tmp_path, start_redis):
+    result, report = kvctl("health", "--instance", fleet["hung"], "--timeout", "20")
+    assert result.code == 3 and "in time" in report["instances"][0]["checks"][0]["detail"]
+    result, _ = kvctl("stats", "--instance", "http://127.0.0.1:1")
+    assert result.code == 3 and "hint:" in result.stderr
+
+    locked = start_redis(password="secret")
+    config = tmp_path / "cfg"
+    run_kvctl("config", "init", "--out", config, "--tier", "cpu:0.05", "--tier", f"redis://127.0.0.1:{locked.port}")
+    result, _ = kvctl("ls", "--config", config)
+    assert result.code == 4 and "credentials" in result.stderr  # Redis auth failure: rejected
+
+    fleet["redis"].client().shutdown(nosave=True)  # the shared Redis goes down (last: the fleet's other tests use it)
+    result, report = kvctl("health", "--instance", fleet["urls"]["b"])
+    assert result.code == 6
+    down = [check for check in report["instances"][0]["checks"] if not check["ok"]]
+    assert [check["component"] for check in down] == ["redis"]
+    result, report = kvctl("ls", "--instance", fleet["urls"]["b"])
+    assert result.code == 6 and "redis tier:" in result.stderr
+    assert {tier["tier"] for tier in report["tiers"]} == {"cpu", "disk"}
+    # LMCache's remote backend answers "not contained" while Redis is down: kvctl says the tier is unknown
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps(list(range(2 * CHUNK))))
+    result, report = kvctl("lookup", "--instance", fleet["urls"]["b"], "--tokens-file", tokens)
+    assert result.code == 6 and "redis tier:" in result.stderr
+    assert "redis" not in report["tiers_checked"] and "redis" in report["errors"]
+    result, report = kvctl("stats", "--instance", fleet["urls"]["b"])
+    assert result.code == 6 and "redis:" in result.stderr and "redis" in report["instances"][0]["errors"]
