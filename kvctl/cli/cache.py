@@ -199,9 +199,11 @@ def pin(
                                  "or --tier", hint="drop --ttl and --tier")
             _no_mp_fan_out(instance)
             return _mp_pin("pin", found, coordinator, prompt_file, chat, tokens_file, model)
-        with worker:
-            token_ids = _tokens(info["model"], prompt_file, chat, tokens_file, model, found.vllm)
-            return worker.pin(token_ids, ttl_s, tier_names(tier))
+        from kvctl.core import inprocess
+
+        worker.close()
+        token_ids = _tokens(info["model"], prompt_file, chat, tokens_file, model, found.vllm)
+        return inprocess.pin(found.worker, token_ids, ttl_s, tier_names(tier))
 
     _on_instances(ctx.obj, instance, state, inventory, timeout, pin_one, _pin_tables)
 
@@ -260,10 +262,13 @@ def unpin(
                                  hint="pass the prompt that was pinned (--prompt-file/--chat/--tokens-file)")
             _no_mp_fan_out(instance)
             return _mp_pin("unpin", found, coordinator, prompt_file, chat, tokens_file, model)
-        with worker:
-            if pin_id or everything:
-                return worker.unpin(pin_id=pin_id, everything=everything)
-            return worker.unpin(tokens=_tokens(info["model"], prompt_file, chat, tokens_file, model, found.vllm))
+        from kvctl.core import inprocess
+
+        worker.close()
+        if pin_id or everything:
+            return inprocess.unpin(found.worker, pin_id=pin_id, everything=everything)
+        return inprocess.unpin(found.worker, tokens=_tokens(info["model"], prompt_file, chat, tokens_file, model,
+                                                            found.vllm))
 
     _on_instances(ctx.obj, instance, state, inventory, timeout, unpin_one, _unpin_tables)
 
@@ -285,8 +290,10 @@ def pins(ctx: typer.Context, instance: FleetInstance = None, state: StateOption 
             from kvctl.core.mp_cache import coordinator_pins
 
             return {"pins": coordinator_pins(_coordinator(coordinator, found), model)}
-        with worker:
-            return {"pins": worker.pins()}
+        from kvctl.core import inprocess
+
+        worker.close()
+        return {"pins": inprocess.pins(found.worker)}
 
     _on_instances(ctx.obj, instance, state, inventory, timeout, pins_one, _pins_tables)
 
@@ -375,7 +382,7 @@ def _eviction(found, *, prompt, keys, tiers, force, model, vllm_url, coordinator
                         lambda tier, chunk_keys: mp_cache.evict(target, dry_run=False, tiers=[tier], force=force,
                                                                 keys=chunk_keys))
     worker.close()  # each run opens its own: a fleet plans and evicts on other threads
-    from kvctl.clients.internal_api import InternalAPIClient
+    from kvctl.core import inprocess
 
     selection = {"tiers": tiers, "force": force, "everything": not (prompt or keys)}
     if prompt:
@@ -383,13 +390,9 @@ def _eviction(found, *, prompt, keys, tiers, force, model, vllm_url, coordinator
     elif keys:
         selection["keys"] = keys
 
-    def evict_through_engine(**chosen) -> dict:
-        with InternalAPIClient(found.worker) as engine:
-            return listing.evict_from_instance(engine, **chosen)
-
-    return Eviction(lambda: evict_through_engine(dry_run=True, **selection),
-                    lambda tier, chunk_keys: evict_through_engine(dry_run=False, tiers=[tier], everything=False,
-                                                                  keys=chunk_keys, force=force))
+    return Eviction(lambda: inprocess.evict(found.worker, dry_run=True, **selection),
+                    lambda tier, chunk_keys: inprocess.evict(found.worker, dry_run=False, tiers=[tier],
+                                                             everything=False, keys=chunk_keys, force=force))
 
 
 def _confirm(total: int, counts: dict[str, int], dry_run: bool, yes: bool) -> None:

@@ -68,8 +68,10 @@ class InternalAPIClient(HTTPClient):
     def keys(self, tier: str, offset: int = 0, limit: int = 100) -> dict[str, Any]:
         return self.request("GET", f"{KVCTL_ROUTES}/keys", params={"tier": tier, "offset": offset, "limit": limit})
 
-    def pin(self, tokens: list[int], ttl_s: float | None = None, tiers: list[str] | None = None) -> dict[str, Any]:
-        return self.request("POST", f"{KVCTL_ROUTES}/pin", {"tokens": tokens, "ttl_s": ttl_s, "tiers": tiers})
+    def pin(self, tokens: list[int], ttl_s: float | None = None, tiers: list[str] | None = None,
+            pin_id: str | None = None) -> dict[str, Any]:
+        body = {"tokens": tokens, "ttl_s": ttl_s, "tiers": tiers, "pin_id": pin_id}
+        return self.request("POST", f"{KVCTL_ROUTES}/pin", {k: v for k, v in body.items() if v is not None})
 
     def unpin(self, pin_id: str | None = None, tokens: list[int] | None = None, everything: bool = False) -> dict:
         if everything:

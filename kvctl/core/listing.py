@@ -239,50 +239,6 @@ def unlink_chunks(store: Store, keys: list[str]) -> list[str]:
     return [key for key, count in zip(keys, removed) if count]
 
 
-def evict_from_instance(worker, *, tiers: list[str] | None, everything: bool, dry_run: bool,
-                        **selection: Any) -> dict[str, Any]:
-    """Evict through the engine's routes, except Redis by keys or whole: kvctl removes those chunks
-    itself (pipelined, counted from what Redis removed) after asking the engine which ones its pins
-    hold. A whole Redis tier is enumerated by SCAN, since LMCache cannot list it: only chunks of the
-    engine's own model are taken from a Redis that others may share."""
-    info = worker.info()
-    present = [entry["tier"] for entry in info["tiers"]]
-    chosen = present if not tiers or "all" in tiers else tiers
-    direct = ["redis"] if "tokens" not in selection and "redis" in chosen and "redis" in present else []
-    result: dict[str, Any] = {"dry_run": dry_run, "removed": {}, "skipped_pinned": {}, "chunks": []}
-    routed = [tier for tier in chosen if tier not in direct]
-    if routed:
-        answer = worker.evict(tiers=routed, everything=everything, dry_run=dry_run, **selection)
-        result["removed"].update(answer["removed"])
-        result["skipped_pinned"].update(answer["skipped_pinned"])
-        result["chunks"].extend(answer["chunks"])
-    if direct:
-        store = engine_redis_store(worker)
-        keys = redis_tier_keys(store, info["model"]) if everything else _chunk_keys(selection["keys"])
-        kept = 0
-        if info["pins"] and not selection.get("force") and keys:  # the engine knows which chunks its pins hold
-            planned = worker.evict(keys=keys, tiers=["redis"], dry_run=True, force=False)
-            kept, keys = planned["skipped_pinned"]["redis"], [chunk["key"] for chunk in planned["chunks"]]
-        elif not everything:
-            keys = stored_redis_keys(store, keys)
-        if not dry_run:
-            keys = unlink_chunks(store, keys)
-        result["removed"]["redis"] = len(keys)
-        result["skipped_pinned"]["redis"] = kept
-        result["chunks"].extend({"tier": "redis", "key": key} for key in keys)
-    return result
-
-
-def _chunk_keys(keys: list[str]) -> list[str]:
-    from kvctl.core.errors import UsageError
-
-    bad = [key for key in keys if parse_key(key) is None]
-    if bad:
-        raise UsageError(f"not an LMCache chunk key: {bad[0]!r}",
-                         hint="keys read model@world_size@worker@hash@dtype; kvctl ls and kvctl keys print them")
-    return list(dict.fromkeys(keys))
-
-
 def stored_redis_keys(store: Store, keys: list[str]) -> list[str]:
     """Those of `keys` whose chunk Redis holds (LMCache's presence test: the metadata name)."""
     from kvctl.clients.redis_tier import RedisTier
@@ -298,12 +254,15 @@ def execute_plan(plan: dict[str, Any], evict_keys) -> dict[str, Any]:
     by_tier: dict[str, list[str]] = {}
     for chunk in plan["chunks"]:
         by_tier.setdefault(chunk["tier"], []).append(chunk["key"])
-    result = {"dry_run": False, "removed": dict.fromkeys(plan["removed"], 0),
-              "skipped_pinned": dict(plan["skipped_pinned"]), "chunks": []}
+    result = {**plan, "dry_run": False, "removed": dict.fromkeys(plan["removed"], 0), "chunks": []}
+    kept = ("skipped_pinned", "held_by_lmcache")  # what the plan kept, plus what got held since
     for tier, keys in by_tier.items():
         answer = evict_keys(tier, keys)
         result["removed"][tier] = answer["removed"].get(tier, 0)
-        result["skipped_pinned"][tier] = result["skipped_pinned"].get(tier, 0) + answer["skipped_pinned"].get(tier, 0)
+        for field in kept:
+            if field in answer:
+                result[field] = {**result.get(field, {}), tier: result.get(field, {}).get(tier, 0)
+                                 + answer[field].get(tier, 0)}
         result["chunks"].extend(answer["chunks"])
     return result
 

@@ -7,19 +7,19 @@ RemoteBackend on a redis URL; other remotes are "remote").
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvctl_plugins import protocol
+from kvctl_plugins.protocol import BadRequest, NotFound
 
-class BadRequest(ValueError):
-    """The client asked for something malformed (HTTP 400)."""
-
-
-class NotFound(LookupError):
-    """The client named something that does not exist (HTTP 404)."""
+PINNABLE = ("cpu", "disk")  # remote tiers have no pins in LMCache 0.5.6 (no-ops)
+PIN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}").fullmatch
 
 
 def tier_of(backend_name: str, engine) -> str:
@@ -49,25 +49,17 @@ def select_backends(engine, tiers: list[str] | None) -> list[tuple[str, str, Any
     return [entry for entry in chosen if entry[0] in tiers]
 
 
-def validate_tokens(tokens: Any) -> list[int]:
-    if not isinstance(tokens, list) or not tokens or not all(
-            isinstance(token, int) and not isinstance(token, bool) and token >= 0 for token in tokens):
-        raise BadRequest("tokens must be a non-empty list of non-negative integers")
-    return tokens
-
-
 def chunk_keys(engine, tokens: list[int]) -> list[tuple[int, int, Any]]:
     """(start, end, CacheEngineKey) per chunk, from the engine's own token database."""
-    return list(engine.token_database.process_tokens(tokens=validate_tokens(tokens)))
+    return list(engine.token_database.process_tokens(tokens=protocol.tokens(tokens)))
 
 
-def parse_keys(engine, texts: Any) -> list[Any]:
+def parse_keys(texts: Any) -> list[Any]:
+    """The distinct chunk keys named, in order."""
     from lmcache.utils import CacheEngineKey
 
-    if not isinstance(texts, list) or not texts or not all(isinstance(text, str) for text in texts):
-        raise BadRequest("keys must be a non-empty list of key strings")
     keys = []
-    for text in texts:
+    for text in dict.fromkeys(protocol.strings(texts, "keys", protocol.MAX_KEYS)):
         try:
             keys.append(CacheEngineKey.from_string(text))
         except Exception:  # noqa: BLE001 - any parse failure is the client's
@@ -148,8 +140,6 @@ def _cpu_size(backend, key) -> int:
 
 
 def list_keys(engine, tier: str, offset: int, limit: int, pins: PinRegistry) -> dict[str, Any]:
-    if offset < 0 or not 0 < limit <= 10000:
-        raise BadRequest("offset must be >= 0 and limit between 1 and 10000")
     (tier_name, name, backend), = select_backends(engine, [tier])
     if name == "LocalCPUBackend":
         keys = backend.get_keys()  # LRU -> MRU
@@ -212,20 +202,26 @@ class PinRegistry:
         with self.lock:
             return {key for pin in self.pins.values() for keys in pin.keys.values() for key in keys}
 
-    def pin(self, engine, tokens: list[int], ttl_s: float | None, tiers: list[str] | None) -> Pin:
-        if ttl_s is not None and not (isinstance(ttl_s, (int, float)) and ttl_s > 0):
-            raise BadRequest("ttl_s must be a positive number of seconds (or null: until unpinned)")
+    def pin(self, engine, tokens: list[int], ttl_s: Any, tiers: list[str] | None, pin_id: Any = None) -> Pin:
+        """Pin a prompt's chunks on the given tiers, or on whichever of cpu and disk the engine has. A
+        client pinning on every tensor-parallel worker gives them all one `pin_id`."""
+        ttl_s = protocol.ttl_seconds(ttl_s)
+        if pin_id is not None and not PIN_ID(protocol.string(pin_id, "pin_id")):
+            raise BadRequest("pin_id must be 1-64 letters, digits, '-' or '_'")
         chunks = chunk_keys(engine, tokens)
         pinned: dict[str, list[Any]] = {}
-        for tier, name, backend in select_backends(engine, tiers or ["cpu", "disk"]):
-            if tier not in ("cpu", "disk"):
-                continue  # remote tiers have no pins in LMCache 0.5.6 (no-ops)
+        for tier, name, backend in select_backends(engine, tiers):
+            if tier not in PINNABLE:
+                continue
             keys = [key for _, _, key in chunks if backend.pin(key)]
             if keys:
                 pinned[name] = keys
-        pin = Pin(uuid.uuid4().hex[:12], pinned, time.time(), None if ttl_s is None else time.time() + ttl_s,
+        pin = Pin(pin_id or uuid.uuid4().hex[:12], pinned, time.time(), None if ttl_s is None else time.time() + ttl_s,
                   sum(end - start for start, end, _ in chunks), len(chunks))
         with self.lock:
+            if pin.pin_id in self.pins:
+                self._release(pin)
+                raise BadRequest(f"pin {pin.pin_id!r} exists already")
             self.pins[pin.pin_id] = pin
         self._start_keeper(engine)
         return pin
@@ -249,6 +245,19 @@ class PinRegistry:
         with self.lock:
             pin_ids = list(self.pins)
         return [self.unpin(pin_id) for pin_id in pin_ids]
+
+    def forget(self, backend_name: str, key) -> None:
+        """Drop a removed chunk from every pin: its LMCache pins went with it, and an unpin must never
+        reach a chunk stored again under the same key."""
+        with self.lock:
+            for pin in self.pins.values():
+                held = pin.keys.get(backend_name, [])
+                if key in held:
+                    remaining = [other for other in held if other != key]
+                    if remaining:
+                        pin.keys[backend_name] = remaining
+                    else:
+                        del pin.keys[backend_name]
 
     def list(self) -> list[Pin]:
         self.expire()
@@ -306,11 +315,15 @@ class PinRegistry:
 
 # -- eviction -------------------------------------------------------------------------------------
 
+REMOVED, KVCTL_PIN, LMCACHE_HOLD = "removed", "kvctl_pin", "lmcache_hold"  # what evict did with one chunk
+
 
 def evict(engine, pins: PinRegistry, *, tokens: list[int] | None = None, keys: list[str] | None = None,
           tiers: list[str] | None = None, all_keys: bool = False, dry_run: bool = False,
           force: bool = False) -> dict[str, Any]:
-    """Remove chunks from the selected tiers; kvctl-pinned chunks stay unless `force`."""
+    """Remove chunks from the selected tiers. Unless `force`, a chunk stays where it is held: by a
+    kvctl pin (on every tier), or by LMCache itself (its pin count, a reader or writer holding it,
+    a write in flight). skipped_pinned counts both; held_by_lmcache the second kind."""
     selectors = sum(x is not None and x is not False for x in (tokens, keys)) + (1 if all_keys else 0)
     if selectors != 1:
         raise BadRequest("give exactly one of tokens, keys, or all (with tiers)")
@@ -318,55 +331,113 @@ def evict(engine, pins: PinRegistry, *, tokens: list[int] | None = None, keys: l
     if tokens is not None:
         targets = [key for _, _, key in chunk_keys(engine, tokens)]
     elif keys is not None:
-        targets = parse_keys(engine, keys)
+        targets = parse_keys(keys)
     else:
         targets = None
     protected = set() if force else pins.pinned_keys()
-    removed: dict[str, int] = {}
-    skipped: dict[str, int] = {}
-    listed: list[dict[str, Any]] = []
+    result: dict[str, Any] = {"dry_run": dry_run, "removed": {}, "skipped_pinned": {}, "held_by_lmcache": {},
+                              "chunks": []}
     for tier, name, backend in chosen:
-        if targets is None:
-            if name == "LocalCPUBackend":
-                candidates = backend.get_keys()
-            elif name == "LocalDiskBackend":
-                with backend.disk_lock:
-                    candidates = list(backend.dict.keys())
-            else:
-                raise BadRequest(f"'all' cannot enumerate the {tier} tier from inside LMCache; evict it by keys "
-                                 "(kvctl evict --tier redis lists Redis directly)")
-        else:
-            candidates = [key for key in targets if backend.contains(key, False)]
-        keep = [key for key in candidates if key in protected]
-        go = [key for key in candidates if key not in protected]
-        skipped[tier] = len(keep)
-        listed.extend({"tier": tier, "key": key.to_string()} for key in go)
-        if dry_run:
-            removed[tier] = len(go)
-        elif tier == "redis":
-            removed[tier] = _remove_from_redis(engine, go)
-        else:
-            removed[tier] = sum(1 for key in go if backend.remove(key, True))
-    return {"dry_run": dry_run, "removed": removed, "skipped_pinned": skipped, "chunks": listed}
+        take = _TAKE.get(name, _plan_other)
+        outcomes = [(key, take(backend, key, key in protected, force, dry_run))
+                    for key in (_all_keys(tier, name, backend) if targets is None else targets)]
+        going = [key for key, outcome in outcomes if outcome == REMOVED]
+        if not dry_run:
+            if take is _plan_other:
+                going = (_remove_from_redis(engine, going) if tier == "redis"
+                         else [key for key in going if backend.remove(key, True)])
+            for key in going:
+                pins.forget(name, key)
+        held = [outcome for _, outcome in outcomes if outcome in (KVCTL_PIN, LMCACHE_HOLD)]
+        result["removed"][tier] = len(going)
+        result["skipped_pinned"][tier] = len(held)
+        result["held_by_lmcache"][tier] = held.count(LMCACHE_HOLD)
+        result["chunks"].extend({"tier": tier, "key": key.to_string()} for key in going)
+    return result
 
 
-def _remove_from_redis(engine, keys: list[Any]) -> int:
-    """Delete chunks from the Redis tier; LMCache 0.5.6's RedisConnector has no remove_sync.
+def _all_keys(tier: str, name: str, backend) -> list[Any]:
+    if name == "LocalCPUBackend":
+        return backend.get_keys()
+    if name == "LocalDiskBackend":
+        with backend.disk_lock:
+            return list(backend.dict.keys())
+    raise BadRequest(f"'all' cannot enumerate the {tier} tier from inside LMCache; evict it by keys "
+                     "(kvctl evict --tier redis lists Redis directly)")
 
-    RedisConnector writes two entries per chunk, "<key>kv_bytes" and "<key>metadata".
-    """
+
+def _take_cpu(backend, key, protected: bool, force: bool, dry_run: bool) -> str | None:
+    """Check and remove under the backend's lock, as LMCache's own eviction does, so that no lookup can
+    pin the chunk in between. An object at rest has ref count 1 (the hot cache's own reference)."""
+    if force and not dry_run:  # LMCache's forced remove also drops the object's pins
+        return REMOVED if backend.remove(key, True) else None
+    with backend.cpu_lock:
+        memory_obj = backend.hot_cache.get(key)
+        if memory_obj is None:
+            return None
+        if protected:
+            return KVCTL_PIN
+        if not force and (memory_obj.is_pinned or memory_obj.get_ref_count() > 1):
+            return LMCACHE_HOLD
+        if not dry_run:
+            backend.remove(key, force=False)
+            backend.cache_policy.update_on_force_evict(key)
+    return REMOVED
+
+
+def _take_disk(backend, key, protected: bool, force: bool, dry_run: bool) -> str | None:
+    """LMCache 0.5.6's LocalDiskBackend.remove() never lowers current_cache_size: only its put-path
+    eviction does, under disk_lock, before batched_remove. Without that the tier stays "full" and
+    refuses every later store ("Insufficient evictable disk cache space"). remove() itself lowers
+    `usage` and updates the stats monitor."""
+    with backend.disk_lock:
+        entry = backend.dict.get(key)
+        if entry is None:
+            return None
+        if protected:
+            return KVCTL_PIN
+        if not force and (entry.is_pinned or backend.exists_in_put_tasks(key)):
+            return LMCACHE_HOLD
+        if not dry_run:
+            backend.current_cache_size -= entry.size
+            with contextlib.suppress(FileNotFoundError):  # removed from the index before the file
+                backend.remove(key, force=False)
+            backend.cache_policy.update_on_force_evict(key)
+    return REMOVED
+
+
+def _plan_other(backend, key, protected: bool, force: bool, dry_run: bool) -> str | None:
+    """Remote tiers: removed in one batch after planning (no pins; a write in flight would restore it)."""
+    if not backend.contains(key, False):
+        return None
+    if protected:
+        return KVCTL_PIN
+    if not force and backend.exists_in_put_tasks(key):
+        return LMCACHE_HOLD
+    return REMOVED
+
+
+_TAKE = {"LocalCPUBackend": _take_cpu, "LocalDiskBackend": _take_disk}
+
+
+def _remove_from_redis(engine, keys: list[Any]) -> list[Any]:
+    """Delete chunks from the Redis tier (LMCache 0.5.6's RedisConnector has no remove_sync) with one
+    pipelined UNLINK per chunk of both names RedisConnector writes, "<key>kv_bytes" and
+    "<key>metadata"; the chunks removed are those whose UNLINK deleted something."""
     import redis
 
     url = str(engine.config.remote_url)
     if not url.startswith(("redis://", "rediss://", "unix://")):
         raise BadRequest(f"evicting from {url.split('://')[0]}:// remotes is not supported; use kvctl evict --tier redis")
+    if not keys:
+        return []
     client = redis.Redis.from_url(url)
     try:
-        removed = 0
+        pipeline = client.pipeline(transaction=False)
         for key in keys:
             name = key.to_string()
-            removed += 1 if client.unlink(name + "kv_bytes", name + "metadata") else 0
-        return removed
+            pipeline.unlink(name + "kv_bytes", name + "metadata")
+        return [key for key, deleted in zip(keys, pipeline.execute()) if deleted]
     finally:
         client.close()
 

@@ -10,7 +10,8 @@ lock on any object and never touches the eviction order, unlike the request plan
 which prefetches and read-locks. Keys come from the server's own TokenHasher and key resolver.
 The key listing copies the L1 object table under the manager's own mutex (the same brief hold
 `get_object_state` takes) and reads each object's size and read-lock state: no value, no lock on an
-object, no eviction-order touch.
+object, no eviction-order touch. Requests are checked and the work runs off the event loop (which
+also answers /healthcheck) as protocol.py says.
 """
 
 from __future__ import annotations
@@ -21,15 +22,12 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from starlette.concurrency import run_in_threadpool
 
-PREFIX = "/kvctl/v1"
+from kvctl_plugins import protocol
+from kvctl_plugins.protocol import PREFIX, BadRequest
+
 HTTP_SERVER_MODULE = "lmcache.v1.multiprocess.http_server"
 router = APIRouter(prefix=PREFIX)
-
-
-class BadRequest(Exception):
-    pass
 
 
 def build_server_modules(_build_context) -> None:
@@ -56,18 +54,9 @@ def running_app():
     return None
 
 
-def _error(status: int, error: str, message: str) -> JSONResponse:
-    return JSONResponse({"error": error, "message": message}, status_code=status)
-
-
-def _handle(request: Request, operation, body: Any = None) -> JSONResponse:
+async def _serve(request: Request, operation) -> JSONResponse:
     engine = getattr(request.app.state, "engine", None)
-    if engine is None:
-        return _error(503, "no_engine", "the MP server is still starting")
-    try:
-        return JSONResponse(operation(engine, body))
-    except BadRequest as error:
-        return _error(400, "bad_request", str(error))
+    return await protocol.serve(request, engine, operation, "the MP server is still starting")
 
 
 def _registered_models(context) -> list[tuple[str, int]]:
@@ -81,7 +70,7 @@ def _l1_managers(storage_manager) -> list:
     return list(storage_manager._l1_managers_by_id.values())
 
 
-def info(engine, _body=None) -> dict[str, Any]:
+def info(engine) -> dict[str, Any]:
     context = engine.context
     status = context.storage_manager.report_status()
     l1 = {tag: {key: manager[key] for key in ("total_object_count", "memory_used_bytes", "memory_total_bytes",
@@ -116,17 +105,17 @@ def _key_rows(context, model: str, world_size: int, tokens: list[int], salt: str
 
 def lookup(engine, body: dict[str, Any]) -> dict[str, Any]:
     context = engine.context
-    tokens = body.get("tokens")
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and t >= 0 for t in tokens):
-        raise BadRequest("tokens must be a list of token ids")
+    tokens = protocol.tokens(body.get("tokens"))
     models = _registered_models(context)
     model = body.get("model") or (models[0][0] if len(models) == 1 else None)
-    if not isinstance(model, str) or not model:
+    if not model:
         raise BadRequest(f"which model? registered: {[name for name, _ in models] or 'none'}; pass model")
+    model = protocol.string(model, "model")
     world_size = body.get("world_size") or next((ws for name, ws in models if name == model), 1)
-    salt = body.get("cache_salt") or ""
-    if not isinstance(world_size, int) or world_size < 1 or not isinstance(salt, str):
-        raise BadRequest("world_size must be a positive integer and cache_salt a string")
+    largest = max((ws for _, ws in models), default=1)  # keys are made per rank: bounded by what registered
+    if type(world_size) is not int or not 1 <= world_size <= largest:
+        raise BadRequest(f"world_size must be an integer from 1 to {largest} (the largest this server registered)")
+    salt = protocol.string(body.get("cache_salt") or "", "cache_salt")
     rows = _key_rows(context, model, world_size, tokens, salt)
     managers = _l1_managers(context.storage_manager)
     chunk_size = context.chunk_size
@@ -141,18 +130,12 @@ def lookup(engine, body: dict[str, Any]) -> dict[str, Any]:
             "chunks": chunks, "tiers_checked": ["cpu"]}
 
 
-MAX_PAGE = 10_000
-
-
-def l1_keys(engine, query: dict[str, Any]) -> dict[str, Any]:
+def l1_keys(engine, query) -> dict[str, Any]:
     """A page of the L1 objects (of one model, if given), oldest write first: encoded key, size, and
     whether a reader holds it (the objects /cache/objects deletes only with force)."""
-    try:
-        offset, limit = int(query.get("offset", 0)), int(query.get("limit", 1000))
-    except ValueError:
-        raise BadRequest("offset and limit must be integers") from None
-    if query.get("tier", "cpu") != "cpu" or offset < 0 or not 1 <= limit <= MAX_PAGE:
-        raise BadRequest(f"tier must be cpu, offset >= 0 and limit 1..{MAX_PAGE}")
+    offset, limit = protocol.page(query, default_limit=1000)
+    if query.get("tier", "cpu") != "cpu":
+        raise BadRequest("tier must be cpu (L1): kvctl reads the L2 stores directly")
     model = query.get("model")
     entries = []
     for manager in _l1_managers(engine.context.storage_manager):
@@ -168,22 +151,16 @@ def l1_keys(engine, query: dict[str, Any]) -> dict[str, Any]:
 
 
 @router.get("/info")
-def info_route(request: Request) -> JSONResponse:
-    return _handle(request, info)
+async def info_route(request: Request) -> JSONResponse:
+    return await _serve(request, lambda engine, _: info(engine))
 
 
 @router.get("/keys")
-def keys_route(request: Request) -> JSONResponse:
-    return _handle(request, l1_keys, dict(request.query_params))
+async def keys_route(request: Request) -> JSONResponse:
+    return await _serve(request, lambda engine, _: l1_keys(engine, request.query_params))
 
 
 @router.post("/lookup")
 async def lookup_route(request: Request) -> JSONResponse:
-    try:
-        body = await request.json()
-    except ValueError:
-        return _error(400, "bad_request", "the request body is not valid JSON")
-    if not isinstance(body, dict):
-        return _error(400, "bad_request", "the request body must be a JSON object")
-    # hashing a long prompt takes tens of milliseconds: off the event loop that also answers /healthcheck
-    return await run_in_threadpool(_handle, request, lookup, body)
+    # hashing a long prompt takes tens of milliseconds: protocol.serve keeps it off the event loop
+    return await _serve(request, lookup)

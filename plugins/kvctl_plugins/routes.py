@@ -1,88 +1,64 @@
 """/kvctl/v1 routes on LMCache's internal API server (JSON in, JSON out).
 
 Mounted on every internal API server the process creates, bound where that server is bound
-(127.0.0.1 by default). A client mistake is a 4xx with {"error", "message"}, never a 500.
+(127.0.0.1 by default). Requests are checked and engine work runs off the server's event loop as
+protocol.py says; a client mistake is a 4xx with {"error", "message"}, never a 500.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from kvctl_plugins import engine_ops
-from kvctl_plugins.engine_ops import BadRequest, NotFound, PinRegistry
+from kvctl_plugins import engine_ops, protocol
+from kvctl_plugins.engine_ops import PinRegistry
+from kvctl_plugins.protocol import BadRequest
 
-PREFIX = "/kvctl/v1"
-router = APIRouter(prefix=PREFIX)
+router = APIRouter(prefix=protocol.PREFIX)
 PINS = PinRegistry()
+NO_ENGINE = ("this process has no LMCache engine (a vLLM scheduler process); "
+             "ask a worker's port (port_start + 1 + worker id)")
+MAX_TIERS = 8
 
 
-def _error(status: int, error: str, message: str) -> JSONResponse:
-    return JSONResponse({"error": error, "message": message}, status_code=status)
-
-
-def _engine(request: Request):
+async def _serve(request: Request, operation) -> JSONResponse:
     manager = getattr(request.app.state, "lmcache_adapter", None)
-    return getattr(manager, "lmcache_engine", None)
-
-
-async def _body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    if not raw:
-        return {}
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        raise BadRequest("the request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    return body
-
-
-async def _handle(request: Request, operation) -> JSONResponse:
-    engine = _engine(request)
-    if engine is None:
-        return _error(503, "no_engine", "this process has no LMCache engine (a vLLM scheduler process); "
-                      "ask a worker's port (port_start + 1 + worker id)")
-    try:
-        return JSONResponse(operation(engine, await _body(request)))
-    except BadRequest as error:
-        return _error(400, "bad_request", str(error))
-    except NotFound as error:
-        return _error(404, "not_found", str(error))
+    return await protocol.serve(request, getattr(manager, "lmcache_engine", None), operation, NO_ENGINE)
 
 
 def _tiers(body: dict[str, Any]) -> list[str] | None:
     tiers = body.get("tiers")
-    if tiers is not None and (not isinstance(tiers, list) or not all(isinstance(t, str) for t in tiers)):
-        raise BadRequest("tiers must be a list of tier names (cpu, disk, redis, all)")
-    return tiers
+    return None if tiers is None else protocol.strings(tiers, "tiers (cpu, disk, redis, all)", MAX_TIERS)
 
 
 @router.get("/info")
 async def info(request: Request) -> JSONResponse:
-    return await _handle(request, lambda engine, _: engine_ops.info(engine, PINS))
+    return await _serve(request, lambda engine, _: engine_ops.info(engine, PINS))
 
 
 @router.post("/lookup")
 async def lookup(request: Request) -> JSONResponse:
-    return await _handle(request, lambda engine, body: engine_ops.lookup(engine, body.get("tokens")))
+    return await _serve(request, lambda engine, body: engine_ops.lookup(engine, body.get("tokens")))
 
 
 @router.get("/keys")
-async def keys(request: Request, tier: str = "cpu", offset: int = 0, limit: int = 100) -> JSONResponse:
-    return await _handle(request, lambda engine, _: engine_ops.list_keys(engine, tier, offset, limit, PINS))
+async def keys(request: Request) -> JSONResponse:
+    def operation(engine, _):
+        query = request.query_params
+        offset, limit = protocol.page(query, default_limit=100)
+        return engine_ops.list_keys(engine, protocol.string(query.get("tier", "cpu"), "tier", 64), offset, limit, PINS)
+
+    return await _serve(request, operation)
 
 
 @router.post("/pin")
 async def pin(request: Request) -> JSONResponse:
     def operation(engine, body):
-        return PINS.pin(engine, body.get("tokens"), body.get("ttl_s"), _tiers(body)).as_dict(engine)
+        return PINS.pin(engine, body.get("tokens"), body.get("ttl_s"), _tiers(body), body.get("pin_id")).as_dict(engine)
 
-    return await _handle(request, operation)
+    return await _serve(request, operation)
 
 
 @router.post("/unpin")
@@ -90,20 +66,20 @@ async def unpin(request: Request) -> JSONResponse:
     def operation(engine, body):
         if body.get("all") is True:
             released = PINS.unpin_all()
-        elif isinstance(body.get("pin_id"), str):
-            released = [PINS.unpin(body["pin_id"])]
+        elif "pin_id" in body:
+            released = [PINS.unpin(protocol.string(body["pin_id"], "pin_id", 64))]
         elif "tokens" in body:
             released = PINS.unpin_tokens(engine, body["tokens"])
         else:
             raise BadRequest("give pin_id, tokens, or all: true")
         return {"unpinned": [pin.as_dict(engine) for pin in released]}
 
-    return await _handle(request, operation)
+    return await _serve(request, operation)
 
 
 @router.get("/pins")
 async def pins(request: Request) -> JSONResponse:
-    return await _handle(request, lambda engine, _: {"pins": [pin.as_dict(engine) for pin in PINS.list()]})
+    return await _serve(request, lambda engine, _: {"pins": [pin.as_dict(engine) for pin in PINS.list()]})
 
 
 @router.post("/evict")
@@ -113,12 +89,12 @@ async def evict(request: Request) -> JSONResponse:
                                 tiers=_tiers(body), all_keys=body.get("all") is True,
                                 dry_run=body.get("dry_run") is True, force=body.get("force") is True)
 
-    return await _handle(request, operation)
+    return await _serve(request, operation)
 
 
 @router.post("/prefetch")
 async def prefetch(request: Request) -> JSONResponse:
-    return await _handle(request, lambda engine, body: engine_ops.prefetch(engine, body.get("tokens")))
+    return await _serve(request, lambda engine, body: engine_ops.prefetch(engine, body.get("tokens")))
 
 
 def install() -> None:

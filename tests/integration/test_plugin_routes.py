@@ -1,5 +1,6 @@
 """kvctl's /kvctl/v1 routes inside a real LMCache engine (standalone, CPU + disk + Redis tiers)."""
 
+import contextlib
 import time
 
 import pytest
@@ -22,23 +23,32 @@ def keys_of(token_ids):
     return inprocess_keys(token_ids, KeyRecipe("tiny", CHUNK, "sha256_cbor", "0", kv_dtype="half"))
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory, module_redis):
-    root = tmp_path_factory.mktemp("routes")
+@contextlib.contextmanager
+def running_engine(root, *tiers: str, redis=None, **config):
+    """A standalone engine on the tiers `kvctl config init --tier` takes, with `config` written over its
+    lmcache.yaml; yields what the tests use (client, url, root, redis client, log)."""
     port_start = free_port()
-    init = run_kvctl("config", "init", "--out", root / "cfg", "--tier", f"cpu:{CPU_GB}", "--tier", f"disk:{root}/disk:1",
-                     "--tier", module_redis.url, "--internal-api-port-start", port_start)
+    init = run_kvctl("config", "init", "--out", root / "cfg", *(arg for tier in tiers for arg in ("--tier", tier)),
+                     "--internal-api-port-start", port_start)
     assert init.code == 0, init.stderr
-    edit_yaml(root / "cfg" / "lmcache.yaml", pin_timeout_sec=3, pin_check_interval_sec=1)
+    edit_yaml(root / "cfg" / "lmcache.yaml", **config)
     log = root / "engine.log"
     proc = start_standalone_engine(root / "cfg", log)
     url = f"http://127.0.0.1:{port_start + 1}"
     try:
         wait_until(lambda: http_json("GET", f"{url}/lmc_version"), 120, "standalone engine", proc, log)
         with InternalAPIClient(url) as client:
-            yield {"client": client, "url": url, "root": root, "redis": module_redis.client(), "log": log}
+            yield {"client": client, "url": url, "root": root, "redis": redis and redis.client(), "log": log}
     finally:
         stop_process(proc, grace=2)  # LMCache 0.5.6 never exits on SIGTERM with a redis:// tier
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory, module_redis):
+    root = tmp_path_factory.mktemp("routes")
+    with running_engine(root, f"cpu:{CPU_GB}", f"disk:{root}/disk:1", module_redis.url, redis=module_redis,
+                        pin_timeout_sec=3, pin_check_interval_sec=1) as started:
+        yield started
 
 
 def store(engine, start, chunks):

@@ -1,0 +1,184 @@
+"""The wire rules of kvctl's /kvctl/v1 routes, shared by the in-process routes (routes.py) and the MP
+server's (mp_routes.py).
+
+Both servers are LMCache's, bound to 127.0.0.1 and without any authentication, so every request is
+checked before it reaches an engine: a loopback Host where the connection is on loopback (DNS
+rebinding), a JSON body only (cross-site form posts), a size cap, bounded parameters. The engine
+work runs on a worker thread, never on the event loop that also serves LMCache's own routes. A
+malformed request is a 4xx with {"error", "message"}; only a failure inside the engine is a 500.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import math
+from typing import Any, Callable
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse
+
+PREFIX = "/kvctl/v1"
+MAX_PAGE = 10_000
+MAX_BODY_BYTES = 16 * 1024 * 1024  # a 128K-token lookup is about 1 MiB of JSON
+MAX_TOKENS = 1024 * 1024
+MAX_TOKEN_ID = 2**31 - 1
+MAX_KEYS = 100_000
+MAX_STRING = 4096
+MAX_TTL_S = 30 * 24 * 3600.0
+LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
+
+logger = logging.getLogger(__name__)
+
+
+class Rejected(Exception):
+    """A request the route refuses; the HTTP status and error code travel with it."""
+
+    status = 400
+    code = "bad_request"
+
+
+class BadRequest(Rejected, ValueError):
+    """The client asked for something malformed (HTTP 400)."""
+
+
+class NotFound(Rejected, LookupError):
+    """The client named something that does not exist (HTTP 404)."""
+
+    status, code = 404, "not_found"
+
+
+class Forbidden(Rejected):
+    status, code = 403, "forbidden"
+
+
+class TooLarge(Rejected):
+    status, code = 413, "too_large"
+
+
+class NotJSON(Rejected):
+    status, code = 415, "unsupported_media_type"
+
+
+def error(status: int, code: str, message: str) -> JSONResponse:
+    return JSONResponse({"error": code, "message": message}, status_code=status)
+
+
+async def serve(request: Request, engine: Any, operation: Callable[[Any, dict[str, Any]], Any],
+                no_engine: str) -> JSONResponse:
+    """Check the request, then answer operation(engine, body) computed on a worker thread."""
+    try:
+        check_host(request)
+        raw = await read_body(request)
+        if engine is None:
+            return error(503, "no_engine", no_engine)
+        return await run_in_threadpool(lambda: JSONResponse(operation(engine, parse_body(raw))))
+    except Rejected as rejected:
+        return error(rejected.status, rejected.code, str(rejected))
+    except Exception as failure:  # noqa: BLE001 - an engine failure still answers in the routes' shape
+        logger.exception("kvctl route %s failed", request.url.path)
+        return error(500, "internal_error", f"{type(failure).__name__}: {failure} (see the server's log)")
+
+
+def check_host(request: Request) -> None:
+    """On a loopback connection the Host must name loopback: a page whose DNS name was rebound to
+    127.0.0.1 sends its own name (a Unix socket cannot be reached from a browser at all)."""
+    server = request.scope.get("server")
+    if not server or not _is_loopback_address(server[0]):
+        return
+    host = request.headers.get("host", "").strip().lower()
+    name = host[1:host.find("]")] if host.startswith("[") else host.rsplit(":", 1)[0]
+    if name not in LOOPBACK_NAMES:
+        raise Forbidden(f"Host {host[:100]!r} is not a loopback name; this server answers 127.0.0.1, localhost "
+                        "and [::1] only")
+
+
+def _is_loopback_address(address: str) -> bool:
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return ip.is_loopback or bool(getattr(ip, "ipv4_mapped", None) and ip.ipv4_mapped.is_loopback)
+
+
+async def read_body(request: Request) -> bytes:
+    """The raw body, at most MAX_BODY_BYTES, and only ever JSON."""
+    length = request.headers.get("content-length")
+    try:
+        declared = int(length) if length is not None else 0
+    except ValueError:
+        raise BadRequest("Content-Length is not a number") from None
+    if declared > MAX_BODY_BYTES:
+        raise TooLarge(f"the body is {declared} bytes; the limit is {MAX_BODY_BYTES}")
+    if declared > 0 or "transfer-encoding" in request.headers:
+        media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if media_type != "application/json":
+            raise NotJSON(f"the body must be application/json, not {media_type[:100] or 'untyped'}")
+    raw = bytearray()
+    try:
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY_BYTES:
+                raise TooLarge(f"the body is over the limit of {MAX_BODY_BYTES} bytes")
+    except ClientDisconnect:
+        raise BadRequest("the client went away before the end of its body") from None
+    return bytes(raw)
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    if not raw:
+        return {}
+    try:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than the interpreter's limit
+        raise BadRequest("the request body is not valid JSON (or nests too deeply)") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return body
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def tokens(value: Any) -> list[int]:
+    if (type(value) is not list or not 0 < len(value) <= MAX_TOKENS
+            or not all(type(token) is int and 0 <= token <= MAX_TOKEN_ID for token in value)):
+        raise BadRequest(f"tokens must be a non-empty list of at most {MAX_TOKENS} token ids (0..{MAX_TOKEN_ID})")
+    return value
+
+
+def string(value: Any, what: str, limit: int = MAX_STRING) -> str:
+    if not isinstance(value, str) or len(value) > limit:
+        raise BadRequest(f"{what} must be a string of at most {limit} characters")
+    return value
+
+
+def strings(value: Any, what: str, limit: int) -> list[str]:
+    if (not isinstance(value, list) or not 0 < len(value) <= limit
+            or not all(isinstance(text, str) and len(text) <= MAX_STRING for text in value)):
+        raise BadRequest(f"{what} must be a non-empty list of at most {limit} strings")
+    return value
+
+
+def ttl_seconds(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and 0 < value <= MAX_TTL_S):
+        raise BadRequest(f"ttl_s must be a positive number of seconds up to {MAX_TTL_S:.0f} (30 days), "
+                         "or null: until unpinned")
+    return float(value)
+
+
+def page(query: dict[str, str], default_limit: int) -> tuple[int, int]:
+    """(offset, limit) from a query string."""
+    try:
+        offset, limit = int(query.get("offset", 0)), int(query.get("limit", default_limit))
+    except ValueError:
+        raise BadRequest("offset and limit must be integers") from None
+    if offset < 0 or not 1 <= limit <= MAX_PAGE:
+        raise BadRequest(f"offset must be >= 0 and limit between 1 and {MAX_PAGE}")
+    return offset, limit

@@ -1,0 +1,92 @@
+"""pin, unpin, pins and evict act on every tensor-parallel worker of an in-process instance: two real
+LMCache engines as ranks 0 and 1 of one instance (CPU + disk + Redis), each holding its own rank's keys."""
+
+import json
+
+import pytest
+
+from kvctl.core.keys import KeyRecipe, disk_file_name, inprocess_keys
+from tests.helpers import free_port, http_json, run_kvctl, start_standalone_engine, stop_process, wait_until
+
+CHUNK = 256
+CHUNK_BYTES = 2 * 2 * CHUNK * 64 * 2
+
+
+def keys_of(token_ids, rank):
+    recipe = KeyRecipe("tiny", CHUNK, "sha256_cbor", "0", world_size=2, kv_dtype="half")
+    return inprocess_keys(token_ids, recipe.for_worker(rank))
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory, module_redis):
+    root = tmp_path_factory.mktemp("ranks")
+    port_start = free_port(span=3)
+    assert run_kvctl("config", "init", "--out", root / "cfg", "--tier", "cpu:0.05", "--tier", f"disk:{root}/disk:1",
+                     "--tier", module_redis.url, "--internal-api-port-start", port_start).code == 0
+    procs, urls = [], [f"http://127.0.0.1:{port_start + 1 + rank}" for rank in (0, 1)]
+    try:
+        for rank in (0, 1):
+            procs.append(start_standalone_engine(root / "cfg", root / f"rank{rank}.log", world_size=2, worker_id=rank))
+        for rank, url in enumerate(urls):
+            wait_until(lambda url=url: http_json("GET", f"{url}/lmc_version"), 120, f"rank {rank}", procs[rank],
+                       root / f"rank{rank}.log")
+        yield {"urls": urls, "root": root, "redis": module_redis.client()}
+    finally:
+        for proc in procs:
+            stop_process(proc, grace=2)  # LMCache 0.5.6 never exits on SIGTERM with a redis:// tier
+
+
+def store_everywhere(ranks, start, chunks):
+    token_ids = list(range(start, start + chunks * CHUNK))
+    for url in ranks["urls"]:
+        http_json("POST", f"{url}/cache/store", params={"tokens_mock": f"{start},{start + chunks * CHUNK}"})
+    for rank in (0, 1):
+        files = [ranks["root"] / "disk" / disk_file_name(key) for key in keys_of(token_ids, rank)]
+        wait_until(lambda files=files: all(f.exists() and f.stat().st_size == CHUNK_BYTES for f in files), 30, "files")
+        names = [key + "metadata" for key in keys_of(token_ids, rank)]
+        wait_until(lambda names=names: all(ranks["redis"].exists(name) for name in names), 30, "Redis")
+    path = ranks["root"] / f"tokens-{start}.json"
+    path.write_text(json.dumps(token_ids))
+    return path, token_ids
+
+
+def kvctl(ranks, *args):
+    result = run_kvctl(*args, "--instance", ranks["urls"][0], "--format", "json")
+    assert result.code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def pins_of(url):
+    return http_json("GET", f"{url}/kvctl/v1/pins")["pins"]
+
+
+@pytest.mark.slow
+def test_pin_unpin_and_evict_reach_every_rank(ranks):
+    tokens, token_ids = store_everywhere(ranks, 0, 2)
+    pin = kvctl(ranks, "pin", "--tokens-file", tokens)
+    assert pin["pinned"] == {"cpu": 2, "disk": 2} and pin["ranks"] == 2
+    assert [[entry["pin_id"] for entry in pins_of(url)] for url in ranks["urls"]] == [[pin["pin_id"]]] * 2
+    assert [entry["pin_id"] for entry in kvctl(ranks, "pins")["pins"]] == [pin["pin_id"]]
+    kept = kvctl(ranks, "evict", "--tokens-file", tokens, "--yes")
+    assert kept["removed"] == {"cpu": 0, "disk": 0, "redis": 0}
+    assert kept["skipped_pinned"] == {"cpu": 4, "disk": 4, "redis": 4}  # two chunks on each of two ranks
+    released = kvctl(ranks, "unpin", "--pin-id", pin["pin_id"])["unpinned"]
+    assert [entry["pin_id"] for entry in released] == [pin["pin_id"]]
+    assert [pins_of(url) for url in ranks["urls"]] == [[], []]
+
+    disk = kvctl(ranks, "evict", "--tier", "disk", "--yes")
+    assert disk["removed"] == {"disk": 4}
+    assert not list((ranks["root"] / "disk").glob("*.pt"))  # rank 1's files too
+    redis = kvctl(ranks, "evict", "--tier", "redis", "--yes")
+    assert redis["removed"] == {"redis": 4}
+    assert not [name for name in ranks["redis"].scan_iter("tiny@*")]
+
+
+@pytest.mark.slow
+def test_keys_go_to_the_worker_of_their_rank(ranks):
+    tokens, token_ids = store_everywhere(ranks, 10_000, 1)
+    (rank1_key,) = keys_of(token_ids, 1)
+    done = kvctl(ranks, "evict", "--key", rank1_key, "--tier", "cpu", "--yes")
+    assert done["removed"] == {"cpu": 1} and done["chunks"] == [{"tier": "cpu", "key": rank1_key}]
+    lookup = kvctl(ranks, "lookup", "--tokens-file", tokens)
+    assert lookup["chunks"][0]["tiers"] == ["disk", "redis"]  # rank 1 lost its CPU copy: not on cpu for both
