@@ -68,6 +68,9 @@ def root(
     ] = False,
 ) -> None:
     ctx.obj = Output(output_format.value if output_format else None, quiet=quiet)
+    from kvctl.core import instances
+
+    instances.announce_inventory = lambda path: ctx.obj.info(f"using the inventory {path}")
 
 
 def hoist_global_options(argv: list[str]) -> list[str]:

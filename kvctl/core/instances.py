@@ -64,15 +64,26 @@ def from_url(url: str) -> Instance:
     return Instance(url, internal_api=[url])
 
 
+announce_inventory: Callable[[Path], None] = lambda _path: None  # the CLI says it on stderr
+_announced: set[Path] = set()
+
+
 def find_inventory(path: Path | None = None) -> Path | None:
+    """--inventory, $KVCTL_INVENTORY, ./kvctl.yaml or the user's; one found by looking (a kvctl.yaml in
+    whatever directory kvctl runs in names servers that receive token ids) is announced, once."""
     if path is not None:
         if not path.is_file():
             raise UsageError(f"no inventory file at {path}", hint="write one (see 'kvctl health --help') or drop "
                              "--inventory")
         return path
-    for candidate in (os.environ.get("KVCTL_INVENTORY"), INVENTORY_FILE, config_home() / INVENTORY_FILE):
-        if candidate and Path(candidate).is_file():
-            return Path(candidate)
+    if os.environ.get("KVCTL_INVENTORY") and Path(os.environ["KVCTL_INVENTORY"]).is_file():
+        return Path(os.environ["KVCTL_INVENTORY"])
+    for candidate in (Path(INVENTORY_FILE), config_home() / INVENTORY_FILE):
+        if candidate.is_file():
+            if candidate.resolve() not in _announced:
+                _announced.add(candidate.resolve())
+                announce_inventory(candidate)
+            return candidate
     return None
 
 

@@ -45,14 +45,14 @@ def registered_model(server, model: str | None) -> tuple[str, int]:
 
 
 def coordinator_url(explicit: str | None, config_dir: str | None) -> str | None:
-    """Where an MP fleet's pins live: --coordinator, else the inventory's `coordinator:`, else the
-    server's own --coordinator-url from its configuration (so that its pins are never missed)."""
+    """Where an MP fleet's pins live (the coordinator receives the prompt's token ids): --coordinator,
+    else the server's own --coordinator-url from its configuration, else the inventory's
+    `coordinator:` (an inventory never overrides what the server itself uses)."""
     from kvctl.core.instances import inventory_value
     from kvctl.core.target import read_deployment
 
-    if explicit or inventory_value("coordinator"):
-        return explicit or inventory_value("coordinator")
-    return read_deployment(config_dir).values.get("coordinator_url") if config_dir else None
+    own = read_deployment(config_dir).values.get("coordinator_url") if config_dir else None
+    return explicit or own or inventory_value("coordinator")
 
 
 def coordinator_pins(url: str, model: str | None = None) -> list[dict[str, Any]]:
