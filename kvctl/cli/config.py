@@ -86,20 +86,22 @@ def validate(
 ) -> None:
     """Check a configuration; exit 1 on any error. LMCache's warnings and silent drops become errors."""
     from kvctl.core.config_validate import validate as run_validation
+    from kvctl.core.display import PATH_CHARS, shown
 
     report = run_validation(file, mode=mode.value if mode else None, block_size=block_size, use_lmcache=lmcache)
     out = ctx.obj
     colors = {"error": "bold red", "warning": "yellow"}
-    lines = [f"{escape(str(file))}: [{colors[finding.level]}]{finding.level}[/]: {escape(finding.message)}"
+    name = shown(str(file), PATH_CHARS)
+    lines = [f"{escape(name)}: [{colors[finding.level]}]{finding.level}[/]: {escape(finding.message)}"
              + (f" [cyan](hint: {escape(finding.hint)})[/]" if finding.hint else "") for finding in report.findings]
     out.emit(report.as_dict(), lines)
     errors = sum(1 for finding in report.findings if finding.level == "error")
     warnings = len(report.findings) - errors
     checked = "" if report.lmcache_checked else " (LMCache's own loader not run)"
     if errors:
-        out.error(f"{file}: {errors} error(s), {warnings} warning(s){checked}", hint="fix the errors listed above")
+        out.error(f"{name}: {errors} error(s), {warnings} warning(s){checked}", hint="fix the errors listed above")
         raise typer.Exit(ExitCode.ERROR)
-    out.success(f"{file}: valid, {warnings} warning(s){checked}")
+    out.success(f"{name}: valid, {warnings} warning(s){checked}")
 
 
 @app.command()

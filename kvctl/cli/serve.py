@@ -50,7 +50,8 @@ def serve(
                       host=host, port=port, internal_api_port_start=internal_api_port_start, mp_port=mp_port,
                       mp_http_port=mp_http_port, state_file=state, extra_vllm_args=extra_vllm_args, write=not dry_run)
     if dry_run:
-        out.emit(plan.as_dict(), _plan_lines(plan))
+        shown_plan = plan.as_dict()
+        out.emit(shown_plan, _plan_lines(shown_plan))
         return
     ports = [port] + ([mp_port, mp_http_port] if plan.mode == "mp" else
                       [int(url.rsplit(":", 1)[1]) for url in plan.endpoints["internal_api"]])
@@ -112,13 +113,14 @@ def _offload_endpoint(plan) -> dict:
         return {"offload_socket": offload_socket_path(worker.meta().get("engine_id") or "default")}
 
 
-def _plan_lines(plan) -> list[str]:
-    """The plan as shell commands a person could paste, one block per component."""
+def _plan_lines(plan: dict) -> list[str]:
+    """The plan (as printed: secrets hidden) as shell commands a person could paste, one block per component."""
     import shlex
 
     lines = []
-    for component in plan.components:
-        env = " ".join(f"{key}={shlex.quote(value)}" for key, value in sorted(component.env.items()))
-        lines.append(escape(f"# {component.name} (log: {component.log})\n{env} \\\n  {shlex.join(component.argv)}\n"))
-    lines.append(escape(f"# configuration: {plan.config_dir}; state file: {plan.state_file}"))
+    for component in plan["components"]:
+        env = " ".join(f"{key}={shlex.quote(value)}" for key, value in sorted(component["env"].items()))
+        lines.append(escape(f"# {component['name']} (log: {component['log']})\n{env} \\\n"
+                            f"  {shlex.join(component['argv'])}\n"))
+    lines.append(escape(f"# configuration: {plan['config_dir']}; state file: {plan['state_file']}"))
     return lines

@@ -18,6 +18,7 @@ from typing import Any
 
 from kvctl import __version__
 from kvctl.core import platform
+from kvctl.core.display import PATH_CHARS, shown
 from kvctl.core.errors import KvctlError, UsageError
 from kvctl.core.lmcache_config import (
     CONFIG_FILE,
@@ -243,6 +244,52 @@ def mp_server_argv(values: dict[str, Any]) -> list[str]:
     return argv
 
 
+# The resp L2 adapter of LMCache 0.5.6 reads these when its own username / password are empty.
+RESP_CREDENTIAL_ENV = {"username": "LMCACHE_RESP_USERNAME", "password": "LMCACHE_RESP_PASSWORD"}
+
+
+def mp_server_launch(values: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
+    """`lmcache server` flags plus the environment they need: the resp adapters' username and password go
+    in LMCACHE_RESP_USERNAME / LMCACHE_RESP_PASSWORD, never on a command line that `ps` shows everyone."""
+    env = resp_credentials(values)
+    if not values.get("l2_adapter"):
+        return mp_server_argv(values), env
+    plain = [{key: item for key, item in adapter.items() if key not in RESP_CREDENTIAL_ENV} if _is_resp(adapter)
+             else adapter for adapter in _adapters(values)]
+    return mp_server_argv({**values, "l2_adapter": plain}), env
+
+
+def resp_credentials(values: dict[str, Any]) -> dict[str, str]:
+    """LMCACHE_RESP_USERNAME / LMCACHE_RESP_PASSWORD for the resp adapters of an MP lmcache.yaml; one
+    environment holds one pair, so adapters with different credentials are refused."""
+    credentials = {tuple(str(adapter.get(field) or "") for field in RESP_CREDENTIAL_ENV)
+                   for adapter in _adapters(values) if _is_resp(adapter)}
+    if len(credentials) > 1:
+        raise UsageError("resp L2 adapters with different credentials: lmcache server 0.5.6 takes one Redis username "
+                         "and password for all of them (kvctl passes it in the environment, not on the command line)",
+                         hint="use the same Redis user and password for every resp adapter")
+    return {name: value for name, value in zip(RESP_CREDENTIAL_ENV.values(), next(iter(credentials), ())) if value}
+
+
+def _adapters(values: dict[str, Any]) -> list[Any]:
+    adapters = values.get("l2_adapter") or []
+    return [_adapter_mapping(adapter) for adapter in (adapters if isinstance(adapters, list) else [adapters])]
+
+
+def _is_resp(adapter: Any) -> bool:
+    return isinstance(adapter, dict) and adapter.get("type") == "resp"
+
+
+def _adapter_mapping(adapter: Any) -> Any:
+    """An l2_adapter given as a JSON string (as on the command line) as its mapping; anything else unchanged."""
+    if isinstance(adapter, str):
+        try:
+            return json.loads(adapter)
+        except ValueError:
+            return adapter
+    return adapter
+
+
 def _env_text(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -285,12 +332,16 @@ def _render_yaml(generated: GeneratedConfig, config_dir: Path) -> str:
         ]
         comments = INPROCESS_COMMENTS
     else:
+        argv, secret_env = mp_server_launch(generated.lmcache)
         header += [
             "# Multiprocess mode: settings of `lmcache server`, one key per server flag (kvctl serve",
             "# turns them into flags); vLLM connects with LMCacheMPConnector (kv-transfer-config.json).",
             "# Equivalent command:",
-            "#   lmcache server " + shlex.join(mp_server_argv(generated.lmcache)),
+            "#   lmcache server " + shlex.join(argv),
         ]
+        if secret_env:
+            header.append(f"# with {' and '.join(secret_env)} set to the resp adapter's credentials (kept off the "
+                          "command line)")
         comments = {}
     for note in generated.notes:
         header.append(f"# Note: {note}")
@@ -315,25 +366,27 @@ def _render_env(generated: GeneratedConfig) -> str:
 
 
 def write_files(files: dict[str, str], out_dir: Path, force: bool) -> list[Path]:
-    """Write all files atomically (temp file + rename); refuse to replace any without `force`."""
+    """Write all files atomically (temp file + rename), owner-only (0600) from their creation on: they may hold
+    a Redis password; refuse to replace any without `force`."""
     out_dir = out_dir.expanduser()
     targets = [out_dir / name for name in files]
     existing = [path for path in targets if path.exists()]
     if existing and not force:
         raise KvctlError(
-            f"{', '.join(str(path) for path in existing)} already exist{'s' if len(existing) == 1 else ''}",
+            f"{', '.join(shown(str(path), PATH_CHARS) for path in existing)} "
+            f"already exist{'s' if len(existing) == 1 else ''}",
             hint="pass --force to replace them, or choose another --out directory",
         )
     if out_dir.exists() and not out_dir.is_dir():
-        raise KvctlError(f"{out_dir} is not a directory", hint="choose another --out directory")
+        raise KvctlError(f"{shown(str(out_dir), PATH_CHARS)} is not a directory", hint="choose another --out directory")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         for path, text in zip(targets, files.values()):
-            fd, temp = tempfile.mkstemp(dir=out_dir, prefix=f".{path.name}.")
+            fd, temp = tempfile.mkstemp(dir=out_dir, prefix=f".{path.name}.")  # created 0600, never wider
             with os.fdopen(fd, "w") as handle:
                 handle.write(text)
-            os.chmod(temp, 0o600 if path.name == ENV_FILE or "password" in text else 0o644)
             os.replace(temp, path)
     except OSError as error:
-        raise KvctlError(f"cannot write to {out_dir}: {error.strerror}", hint="check the directory's permissions") from None
+        raise KvctlError(f"cannot write to {shown(str(out_dir), PATH_CHARS)}: {error.strerror}",
+                         hint="check the directory's permissions") from None
     return targets

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvctl.core.errors import KvctlError
-from kvctl.core.lmcache_config import detect_mode, effective_config, locate, read_text, redact
+from kvctl.core.display import shown
+from kvctl.core.lmcache_config import detect_mode, effective_config, load_mapping, locate, redact
 from kvctl.core.lmcache_schema import mp_server_flags
 
 
@@ -21,23 +20,6 @@ class Settings:
     command: list[str] | None = None
 
 
-def _load_mapping(path: Path, loader: str) -> dict[str, Any]:
-    text = read_text(path)
-    try:
-        if loader == "yaml":
-            import yaml
-
-            data = yaml.safe_load(text) or {}
-        else:
-            data = json.loads(text)
-    except Exception as error:  # noqa: BLE001 - yaml.YAMLError or json.JSONDecodeError
-        raise KvctlError(f"cannot parse {path}: {str(error).splitlines()[0]}",
-                         hint=f"run 'kvctl config validate {path}'") from None
-    if not isinstance(data, dict):
-        raise KvctlError(f"{path} is not a mapping of settings", hint=f"run 'kvctl config validate {path}'")
-    return data
-
-
 def effective_settings(target: Path | None, environ: dict[str, str]) -> Settings:
     yaml_values: dict[str, Any] = {}
     extra: dict[str, Any] = {}
@@ -46,12 +28,12 @@ def effective_settings(target: Path | None, environ: dict[str, str]) -> Settings
     if target is not None:
         files = locate(target)
         if files.yaml_path:
-            yaml_values = _load_mapping(files.yaml_path, "yaml")
-            yaml_source = f"file:{files.yaml_path.name}"
-        kv_transfer = _load_mapping(files.kv_transfer_path, "json") if files.kv_transfer_path else None
+            yaml_values = load_mapping(files.yaml_path)
+            yaml_source = f"file:{shown(files.yaml_path.name)}"
+        kv_transfer = load_mapping(files.kv_transfer_path) if files.kv_transfer_path else None
         if kv_transfer is not None:
             extra = kv_transfer.get("kv_connector_extra_config") or {}
-            extra_source = f"vllm:{files.kv_transfer_path.name}"
+            extra_source = f"vllm:{shown(files.kv_transfer_path.name)}"
         mp = detect_mode(kv_transfer, yaml_values) == "mp"
     if mp:
         return _mp_settings(yaml_values, yaml_source)
@@ -62,7 +44,7 @@ def effective_settings(target: Path | None, environ: dict[str, str]) -> Settings
 
 
 def _mp_settings(yaml_values: dict[str, Any], yaml_source: str) -> Settings:
-    from kvctl.core.config_init import mp_server_argv
+    from kvctl.core.config_init import mp_server_launch
 
     flags = mp_server_flags()
     values = {key: spec["default"] for key, spec in flags.items()}
@@ -70,7 +52,8 @@ def _mp_settings(yaml_values: dict[str, Any], yaml_source: str) -> Settings:
     known = {key: value for key, value in yaml_values.items() if key in flags}
     values.update(known)
     sources.update(dict.fromkeys(known, yaml_source))
-    problems = [f"{key} from {yaml_source} is not an lmcache server setting" for key in yaml_values if key not in flags]
+    problems = [f"{shown(key)} from {yaml_source} is not an lmcache server setting" for key in yaml_values
+                if key not in flags]
     redacted = {key: redact(key, value) for key, value in values.items()}
-    command = mp_server_argv({key: redact(key, value) for key, value in known.items()})
+    command = [redact("argv", arg) for arg in mp_server_launch(known)[0]]  # credentials travel in the environment
     return Settings("mp", redacted, sources, problems, command)

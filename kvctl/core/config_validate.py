@@ -9,12 +9,15 @@ from __future__ import annotations
 import difflib
 import ipaddress
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvctl.core import platform
+from kvctl.core.config_init import resp_credentials
+from kvctl.core.display import PATH_CHARS, shown
 from kvctl.core.errors import UsageError
 from kvctl.core.keys import MP_BUILTIN_UNREPRODUCIBLE
 from kvctl.core.lmcache_config import (
@@ -29,9 +32,9 @@ from kvctl.core.lmcache_config import (
     env_value,
     locate,
     parse_env_file,
-    read_text,
 )
 from kvctl.core.lmcache_schema import inprocess_keys, load_schema, mp_connector_keys, mp_server_flags
+from kvctl.core.safe_files import load_yaml, read_text
 from kvctl.core.tiers import REDIS_SCHEMES, parse_redis_url
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -94,9 +97,9 @@ def validate(target: str | os.PathLike, mode: str | None = None, block_size: int
         _check_kv_transfer(kv_transfer, mode, yaml_values, collector)
     if files.env_path is not None:
         env_file = parse_env_file(read_text(files.env_path))
-        _check_env(env_file, f"{files.env_path.name}:", collector, from_file=True)
+        _check_env(env_file, f"{shown(files.env_path.name)}:", collector, from_file=True)
         if mode == "inprocess" and "PYTHONHASHSEED" not in env_file:
-            collector.warning("PYTHONHASHSEED", f"{files.env_path.name} does not set PYTHONHASHSEED",
+            collector.warning("PYTHONHASHSEED", f"{shown(files.env_path.name)} does not set PYTHONHASHSEED",
                               hint="without a fixed seed vLLM's NONE_HASH differs per process and chunk keys never match")
     _check_env(dict(os.environ if environ is None else environ), "env:", collector, from_file=False)
     report = Report(str(Path(target)), mode, collector.findings)
@@ -114,18 +117,20 @@ def _load_yaml(files: ConfigFiles, collector: _Collector) -> dict[str, Any] | No
     import yaml
 
     try:
-        data = yaml.safe_load(read_text(files.yaml_path))
+        data = load_yaml(read_text(files.yaml_path), str(files.yaml_path))
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        collector.error(None, f"{files.yaml_path.name} is not valid YAML{where}: {getattr(error, 'problem', error)}",
+        problem = shown(str(getattr(error, "problem", error)), 200)
+        collector.error(None, f"{shown(files.yaml_path.name)} is not valid YAML{where}: {problem}",
                         hint="fix the syntax; keys are LMCache config names at the top level, e.g. 'chunk_size: 256'")
         return None
     if data is None:
-        collector.error(None, f"{files.yaml_path.name} is empty", hint="generate one with 'kvctl config init'")
+        collector.error(None, f"{shown(files.yaml_path.name)} is empty", hint="generate one with 'kvctl config init'")
         return None
     if not isinstance(data, dict):
-        collector.error(None, f"{files.yaml_path.name} must be a mapping of config keys, not a {type(data).__name__}",
+        collector.error(None, f"{shown(files.yaml_path.name)} must be a mapping of config keys, "
+                        f"not a {type(data).__name__}",
                         hint="write one 'key: value' per line at the top level")
         return None
     return {str(key): value for key, value in data.items()}
@@ -134,7 +139,7 @@ def _load_yaml(files: ConfigFiles, collector: _Collector) -> dict[str, Any] | No
 def _load_kv_transfer(files: ConfigFiles, collector: _Collector) -> dict[str, Any] | None:
     if files.kv_transfer_path is None:
         return None
-    name = files.kv_transfer_path.name
+    name = shown(files.kv_transfer_path.name)
     try:
         data = json.loads(read_text(files.kv_transfer_path))
     except json.JSONDecodeError as error:
@@ -167,6 +172,7 @@ def _check_inprocess_yaml(values: dict[str, Any], block: int, collector: _Collec
 
 def _unknown_key(key: str, schema: dict[str, Any], collector: _Collector, where: str = "") -> None:
     aliases, deprecated = schema["aliases"], schema["deprecated"]
+    name = shown(key)  # the key is the user's: it may be a megabyte long or hold control characters
     if key in deprecated and aliases.get(key) in schema["keys"]:
         collector.warning(key, f"{key}{where} is deprecated: {deprecated[key]}", hint=f"rename it to {aliases[key]}")
     elif key in aliases:
@@ -175,7 +181,7 @@ def _unknown_key(key: str, schema: dict[str, Any], collector: _Collector, where:
     elif key in deprecated:
         collector.error(key, f"{key}{where} is ignored by LMCache: {deprecated[key]}", hint="remove it")
     else:
-        collector.error(key, f"unknown key {key}{where} (LMCache ignores it with only a warning)",
+        collector.error(name, f"unknown key {name}{where} (LMCache ignores it with only a warning)",
                         hint=did_you_mean(key, list(schema["keys"])) or "see 'kvctl config show' for all keys")
 
 
@@ -192,6 +198,9 @@ def _check_inprocess_values(values: dict[str, Any], block: int, collector: _Coll
     if get("max_local_disk_size") and not get("local_disk"):
         collector.warning("local_disk", "max_local_disk_size is set but local_disk is not: there is no disk tier",
                           hint="set local_disk to a directory, e.g. file:///var/cache/lmcache/")
+    if get("local_cpu") and get("max_local_cpu_size") == 0:
+        collector.error("max_local_cpu_size", "max_local_cpu_size is 0: LMCache's CPU tier, which every store goes "
+                        "through, has no room", hint="give the CPU tier a size in GB, e.g. 0.5")
     if get("local_cpu") and get("max_local_cpu_size") > platform.available_memory_gb():
         collector.error("max_local_cpu_size", f"max_local_cpu_size {get('max_local_cpu_size')} GB is more than the "
                         f"{platform.available_memory_gb():.1f} GB of free memory", hint="lower it, e.g. to a fifth of the free memory")
@@ -201,7 +210,8 @@ def _check_inprocess_values(values: dict[str, Any], block: int, collector: _Coll
             free = platform.free_disk_gb(path)
             if get("max_local_disk_size") > free:
                 collector.error("max_local_disk_size", f"max_local_disk_size {get('max_local_disk_size')} GB is more "
-                                f"than the {free:.1f} GB free at {path}", hint="lower it or choose a larger disk")
+                                f"than the {free:.1f} GB free at {shown(path, PATH_CHARS)}",
+                                hint="lower it or choose a larger disk")
     remote = get("remote_url")
     if remote:
         scheme = str(remote).partition("://")[0]
@@ -218,13 +228,14 @@ def _check_inprocess_values(values: dict[str, Any], block: int, collector: _Coll
                           "API server run Python code in the serving process", hint="set it to false")
     host = get("internal_api_server_host")
     if get("internal_api_server_enabled") and not _is_loopback(host):
-        collector.warning("internal_api_server_host", f"the internal API server binds {host}, beyond this machine, "
-                          "with no authentication", hint="bind 127.0.0.1 (the default)")
+        collector.warning("internal_api_server_host", f"the internal API server binds {shown(host)}, beyond this "
+                          "machine, with no authentication", hint="bind 127.0.0.1 (the default)")
     if not get("internal_api_server_enabled") and source == "file":
         collector.warning("internal_api_server_enabled", "the internal API server is off: kvctl can only inspect "
                           "disk and Redis offline", hint="set internal_api_server_enabled: true")
     if get("pre_caching_hash_algorithm") not in HASH_ALGORITHMS:
-        collector.error("pre_caching_hash_algorithm", f"unknown hash algorithm {get('pre_caching_hash_algorithm')!r}: "
+        collector.error("pre_caching_hash_algorithm", f"unknown hash algorithm "
+                        f"{shown(get('pre_caching_hash_algorithm'), quoted=True)}: "
                         "LMCache falls back to Python's hash()", hint="use sha256_cbor (or builtin with a fixed PYTHONHASHSEED)")
     elif "pre_caching_hash_algorithm" not in values and source == "file":
         collector.warning("pre_caching_hash_algorithm", "no explicit pre_caching_hash_algorithm: chunk keys use "
@@ -255,7 +266,7 @@ def _check_mp_yaml(values: dict[str, Any], block: int, collector: _Collector) ->
     for key, value in values.items():
         spec = flags.get(key)
         if spec is None:
-            collector.error(key, f"unknown lmcache server setting {key}",
+            collector.error(shown(key), f"unknown lmcache server setting {shown(key)}",
                             hint=did_you_mean(key, list(flags)) or "keys are `lmcache server` flag names with _ for -")
             continue
         problem = _mp_value_problem(spec, value)
@@ -272,16 +283,20 @@ def _check_mp_yaml(values: dict[str, Any], block: int, collector: _Collector) ->
         collector.error("eviction_policy", "l1_size_gb without eviction_policy: the server refuses to start",
                         hint="add eviction_policy: LRU")
     size = values.get("l1_size_gb")
-    if isinstance(size, (int, float)) and size > platform.available_memory_gb():
+    if isinstance(size, (int, float)) and math.isfinite(size) and size > platform.available_memory_gb():
         collector.error("l1_size_gb", f"l1_size_gb {size} GB is more than the {platform.available_memory_gb():.1f} GB "
                         "of free memory", hint="lower it")
     for key in ("host", "http_host"):
         if key in values and not _is_loopback(values[key]):
-            collector.warning(key, f"{key} {values[key]} exposes the MP server beyond this machine with no "
+            collector.warning(key, f"{key} {shown(values[key])} exposes the MP server beyond this machine with no "
                               "authentication", hint="use 127.0.0.1")
     if values.get("run_script_api_enabled"):
         collector.warning("run_script_api_enabled", "the run_script API runs arbitrary Python code in the server",
                           hint="set it to false")
+    try:
+        resp_credentials(values)
+    except UsageError as error:
+        collector.error("l2_adapter", error.message, hint=error.hint)
     for adapter in values.get("l2_adapter") or []:
         if isinstance(adapter, dict) and adapter.get("type") == "resp" and not isinstance(adapter.get("port"), int):
             collector.error("l2_adapter", "resp L2 adapter needs host and an integer port", hint="e.g. {type: resp, host: 127.0.0.1, port: 6379}")
@@ -293,16 +308,19 @@ def _mp_value_problem(spec: dict[str, Any], value: Any) -> str | None:
     items = value if isinstance(value, list) and (spec["repeatable"] or spec["multiple"]) else [value]
     for item in items:
         kind = spec["type"]
+        text = shown(item, quoted=True)
         if kind == "bool" and not isinstance(item, bool):
-            return f"{item!r} is not true or false"
+            return f"{text} is not true or false"
         if kind == "int" and (isinstance(item, bool) or not isinstance(item, int)):
-            return f"{item!r} is not an integer"
-        if kind == "float" and (isinstance(item, bool) or not isinstance(item, (int, float))):
-            return f"{item!r} is not a number"
+            return f"{text} is not an integer"
+        if kind == "float" and (isinstance(item, bool) or not isinstance(item, (int, float)) or math.isnan(item)):
+            return f"{text} is not a number"
+        if kind == "float" and "size" in spec["flag"] and not (math.isfinite(item) and item > 0):
+            return f"{text} is not a size: sizes are finite numbers of GB above 0"
         if spec["choices"] and item not in spec["choices"]:
-            return f"{item!r} is not one of {', '.join(map(str, spec['choices']))}"
+            return f"{text} is not one of {', '.join(map(str, spec['choices']))}"
         if spec["repeatable"] and not isinstance(item, (dict, str)):
-            return f"{item!r} must be a mapping (it is passed as JSON)"
+            return f"{text} must be a mapping (it is passed as JSON)"
     return None
 
 
@@ -313,10 +331,11 @@ def _check_kv_transfer(config: dict[str, Any], mode: str, yaml_values: dict[str,
                        collector: _Collector) -> None:
     connector = config.get("kv_connector")
     if connector not in (INPROCESS_CONNECTOR, MP_CONNECTOR) and not config.get("kv_connector_module_path"):
-        collector.error("kv_connector", f"kv_connector {connector!r} is not an LMCache connector",
+        collector.error("kv_connector", f"kv_connector {shown(connector, quoted=True)} is not an LMCache connector",
                         hint=f"use {INPROCESS_CONNECTOR} (in-process) or {MP_CONNECTOR} (multiprocess)")
     if config.get("kv_role") not in KV_ROLES:
-        collector.error("kv_role", f"kv_role {config.get('kv_role')!r} is not one of {', '.join(KV_ROLES)}",
+        collector.error("kv_role", f"kv_role {shown(config.get('kv_role'), quoted=True)} is not one of "
+                        f"{', '.join(KV_ROLES)}",
                         hint="use kv_both unless you split prefill and decode")
     extra = config.get("kv_connector_extra_config") or {}
     if not isinstance(extra, dict):
@@ -325,16 +344,17 @@ def _check_kv_transfer(config: dict[str, Any], mode: str, yaml_values: dict[str,
     schema = load_schema()["inprocess"]
     converted = {}
     for name, value in extra.items():
+        label = shown(name)
         if name.startswith("lmcache.mp."):
             if mode != "mp":
-                collector.error(name, f"{name} only applies to {MP_CONNECTOR}", hint="remove it or switch to --mode mp")
+                collector.error(label, f"{label} only applies to {MP_CONNECTOR}", hint="remove it or switch to --mode mp")
             elif name not in mp_connector_keys():
-                collector.error(name, f"unknown MP connector key {name}",
+                collector.error(label, f"unknown MP connector key {label}",
                                 hint=did_you_mean(name, mp_connector_keys()) or "see the lmcache.mp.* keys in LMCache's docs")
         elif name.startswith("lmcache."):
             key = name[len("lmcache."):]
             if key not in schema["keys"]:
-                _unknown_key(key, schema, collector, where=f" (as {name})")
+                _unknown_key(key, schema, collector, where=f" (as {label})")
                 continue
             try:
                 converted[key] = convert_value(key, value)
@@ -346,8 +366,9 @@ def _check_kv_transfer(config: dict[str, Any], mode: str, yaml_values: dict[str,
             connector_value = extra.get(extra_key, default)
             server_value = yaml_values.get(yaml_key, mp_server_flags()[yaml_key]["default"])
             if connector_value != server_value:
-                collector.error(extra_key, f"{extra_key} is {connector_value!r} but the server's {yaml_key} is "
-                                f"{server_value!r}", hint="make them equal; vLLM cannot use the server otherwise")
+                collector.error(extra_key, f"{extra_key} is {shown(connector_value, quoted=True)} but the server's "
+                                f"{yaml_key} is {shown(server_value, quoted=True)}",
+                                hint="make them equal; vLLM cannot use the server otherwise")
 
 
 # -- environment -------------------------------------------------------------------------------
@@ -359,9 +380,10 @@ def _check_env(variables: dict[str, str], where: str, collector: _Collector, fro
     prefixes = tuple(schema["environment"]["prefixes"])
     config_env = [spec["env"] for spec in schema["inprocess"]["keys"].values()]
     for name, text in variables.items():
+        label = shown(name)  # names in a shell's environment may hold anything but "=" and NUL
         if name.startswith("LM_CACHE_"):
-            collector.error(f"{where}{name}", f"{name} is ignored: LMCache reads LMCACHE_* (no underscore in LMCACHE)",
-                            hint=f"rename it to LMCACHE_{name[len('LM_CACHE_'):]}")
+            collector.error(f"{where}{label}", f"{label} is ignored: LMCache reads LMCACHE_* (no underscore in LMCACHE)",
+                            hint=f"rename it to LMCACHE_{label[len('LM_CACHE_'):]}")
         elif not name.startswith("LMCACHE_") or name in known:
             continue
         elif (target := schema["inprocess"]["aliases"].get(name[len("LMCACHE_"):].lower())) is not None:
@@ -378,7 +400,7 @@ def _check_env(variables: dict[str, str], where: str, collector: _Collector, fro
                 collector.warning(f"{where}{name}", f"{name} is set in this shell and overrides {key} from the file",
                                   hint=f"unset {name} unless you mean it")
         else:
-            collector.error(f"{where}{name}", f"{name} is not a variable LMCache reads",
+            collector.error(f"{where}{label}", f"{label} is not a variable LMCache reads",
                             hint=did_you_mean(name, config_env + sorted(known))
                             or "see 'kvctl config show' for the variables LMCache reads")
 
@@ -395,9 +417,10 @@ def _check_with_lmcache(path: Path, mode: str, report: Report) -> None:
     report.lmcache_checked = True
     flagged = {finding.key for finding in report.findings}
     if result["error"]:
-        report.findings.append(Finding("error", None, f"LMCache rejects the configuration: {result['error']}",
+        report.findings.append(Finding("error", None,
+                                       f"LMCache rejects the configuration: {shown(result['error'], 200)}",
                                        "fix the setting the message names"))
     for message in result["warnings"]:
         if any(key and key in message for key in flagged) or "deprecated" in message and "remote_url" in message:
             continue
-        report.findings.append(Finding("warning", None, f"LMCache: {message}", None))
+        report.findings.append(Finding("warning", None, f"LMCache: {shown(message, 200)}", None))

@@ -90,8 +90,10 @@ def find_inventory(path: Path | None = None) -> Path | None:
 def read_inventory(path: Path) -> dict[str, Any]:
     import yaml
 
+    from kvctl.core.safe_files import load_yaml_file
+
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = load_yaml_file(path) or {}
     except (OSError, yaml.YAMLError) as error:
         raise KvctlError(f"cannot read the inventory {path}: {str(error).splitlines()[0]}",
                          hint="fix the YAML; see 'kvctl health --help' for its shape") from None

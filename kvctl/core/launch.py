@@ -19,13 +19,24 @@ from kvctl.core.config_init import (
     DEFAULT_MP_PORT,
     ConfigRequest,
     build_config,
-    mp_server_argv,
+    mp_server_launch,
     write_files,
 )
+from kvctl.core.display import PATH_CHARS, shown
 from kvctl.core.errors import KvctlError, UsageError
-from kvctl.core.lmcache_config import CONFIG_FILE, ENV_FILE, KV_TRANSFER_FILE, MP_CONNECTOR, parse_env_file, read_text
+from kvctl.core.lmcache_config import (
+    CONFIG_FILE,
+    ENV_FILE,
+    KV_TRANSFER_FILE,
+    MP_CONNECTOR,
+    is_secret,
+    load_mapping,
+    parse_env_file,
+    redact,
+)
 from kvctl.core.paths import cache_dir, models_dir
 from kvctl.core.platform import vllm_block_size
+from kvctl.core.safe_files import read_text
 from kvctl.core.tiers import TierSpec
 
 DEFAULT_PORT = 8000
@@ -64,7 +75,30 @@ class LaunchPlan:
     endpoints: dict[str, Any]
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The plan for printing (`--dry-run`): secrets in command lines and environments replaced by ***."""
+        plan = asdict(self)
+        for component in plan["components"]:
+            component["argv"] = _redacted_argv(component["argv"])
+            component["env"] = {name: redact(name, value) for name, value in component["env"].items()}
+        return plan
+
+
+def _redacted_argv(argv: list[str]) -> list[str]:
+    """Passwords in URLs and JSON arguments hidden, and the value of a flag like --api-key or --password."""
+    shown_argv: list[str] = []
+    for arg in argv:
+        flag, equals, _value = arg.partition("=")
+        if shown_argv and shown_argv[-1].startswith("-") and is_secret(shown_argv[-1]):
+            shown_argv.append("***")
+        elif arg.startswith("-") and equals and is_secret(flag):
+            shown_argv.append(f"{flag}=***")
+        else:
+            try:
+                parsed = json.loads(arg) if arg.startswith("{") else None
+            except ValueError:
+                parsed = None
+            shown_argv.append(json.dumps(redact("argv", parsed)) if isinstance(parsed, dict) else redact("argv", arg))
+    return shown_argv
 
 
 def serve_dir(name: str) -> Path:
@@ -100,9 +134,11 @@ def check_model_dir(model: str) -> None:
     if not path.is_dir():
         return  # a hub id: vLLM resolves it (offline, from its cache)
     if not (path / "config.json").is_file():
-        raise UsageError(f"{model} has no config.json: not a model directory", hint="give a Hugging Face model directory")
+        raise UsageError(f"{shown(model, PATH_CHARS)} has no config.json: not a model directory",
+                         hint="give a Hugging Face model directory")
     if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        raise UsageError(f"{model} has no tokenizer", hint="give a model directory that includes its tokenizer")
+        raise UsageError(f"{shown(model, PATH_CHARS)} has no tokenizer",
+                         hint="give a model directory that includes its tokenizer")
 
 
 def check_installed() -> None:
@@ -130,25 +166,24 @@ def build_plan(*, name: str = "default", model: str | None, mode: str = "inproce
             write_files(generated.render(config.absolute()), config, force=True)
         lmcache_values, kv_transfer, env_file = generated.lmcache, generated.kv_transfer, generated.env
     else:
-        import yaml
-
-        lmcache_values = yaml.safe_load(read_text(config / CONFIG_FILE)) or {}
-        kv_transfer = json.loads(read_text(config / KV_TRANSFER_FILE))
+        lmcache_values, kv_transfer = load_mapping(config / CONFIG_FILE), load_mapping(config / KV_TRANSFER_FILE)
         env_file = parse_env_file(read_text(config / ENV_FILE)) if (config / ENV_FILE).exists() else {}
         mode = "mp" if kv_transfer.get("kv_connector") == MP_CONNECTOR else "inprocess"
-        chunk, block = int(lmcache_values.get("chunk_size", 256)), vllm_block_size()
-        if chunk % block:
-            raise UsageError(f"{config / CONFIG_FILE} has chunk_size {chunk}, not a multiple of vLLM's block size "
-                             f"{block} on this platform", hint=f"run 'kvctl config validate {config}' and fix it")
+        chunk, block = lmcache_values.get("chunk_size", 256), vllm_block_size()
+        if not str(chunk).isdigit() or int(chunk) % block:
+            raise UsageError(f"{shown(str(config / CONFIG_FILE), PATH_CHARS)} has chunk_size {shown(chunk)}, not a "
+                             f"multiple of vLLM's block size {block} on this platform",
+                             hint=f"run 'kvctl config validate {shown(str(config), PATH_CHARS)}' and fix it")
     logs = base / "logs"
     env = {**QUIET_ENV, "PYTHONHASHSEED": env_file.get("PYTHONHASHSEED", "0")}
     components = []
     endpoints: dict[str, Any] = {"openai": f"http://{host}:{port}/v1", "vllm": f"http://{host}:{port}"}
     if mode == "mp":
         http = f"http://{lmcache_values.get('http_host', LOOPBACK)}:{lmcache_values.get('http_port', mp_http_port)}"
+        server_argv, credentials = mp_server_launch(lmcache_values)
         components.append(Component("lmcache-server", [sys.executable, "-m", "lmcache.v1.multiprocess.http_server",
-                                                       *mp_server_argv(lmcache_values), *MP_ROUTES_ARGV],
-                                    env, str(logs / "lmcache-server.log"),
+                                                       *server_argv, *MP_ROUTES_ARGV],
+                                    {**env, **credentials}, str(logs / "lmcache-server.log"),
                                     [Readiness("http", f"{http}/healthcheck", "LMCache MP server")]))
         endpoints["mp_http"] = http
     else:

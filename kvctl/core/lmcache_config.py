@@ -5,15 +5,17 @@ conversion with LMCache's own rules, and the effective values with where each ca
 from __future__ import annotations
 
 import json
+import math
 import os
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvctl.core.display import PATH_CHARS, redact_url, shown
 from kvctl.core.errors import KvctlError
 from kvctl.core.lmcache_schema import inprocess_keys, mp_server_flags
-from kvctl.core.tiers import redact_url
+from kvctl.core.safe_files import load_yaml, read_text
 
 MODES = ("inprocess", "mp")
 CONFIG_FILE = "lmcache.yaml"
@@ -42,18 +44,21 @@ def to_bool(value: Any) -> bool:
         return True
     if text in ("false", "0"):
         return False
-    raise ConversionError(f"{value!r} is not a boolean; LMCache reads it as false")
+    raise ConversionError(f"{shown(value, quoted=True)} is not a boolean; LMCache reads it as false")
 
 
 def _to_number(value: Any, kind: type) -> int | float:
     if isinstance(value, bool):
-        raise ConversionError(f"{value!r} is a boolean, not a number")
+        raise ConversionError(f"{shown(value, quoted=True)} is a boolean, not a number")
     try:
         number = kind(value) if not isinstance(value, str) else kind(value.strip())
-    except (TypeError, ValueError):
-        raise ConversionError(f"{value!r} is not {'an integer' if kind is int else 'a number'}") from None
+    except (TypeError, ValueError, OverflowError):  # int(inf) overflows
+        what = "an integer" if kind is int else "a number"
+        raise ConversionError(f"{shown(value, quoted=True)} is not {what}") from None
+    if math.isnan(number):  # no LMCache setting means anything with NaN; every comparison with it is false
+        raise ConversionError(f"{shown(value, quoted=True)} is not a number")
     if kind is int and isinstance(value, float) and value != number:
-        raise ConversionError(f"{value!r} is not an integer; LMCache would truncate it to {number}")
+        raise ConversionError(f"{shown(value, quoted=True)} is not an integer; LMCache would truncate it to {number}")
     return number
 
 
@@ -74,7 +79,10 @@ def convert_value(key: str, value: Any) -> Any:
     if kind == "bool":
         return to_bool(value)
     if kind in ("int", "float"):
-        return _to_number(value, int if kind == "int" else float)
+        number = _to_number(value, int if kind == "int" else float)
+        if kind == "float" and "size" in key and not (math.isfinite(number) and number >= 0):
+            raise ConversionError(f"{shown(value, quoted=True)} is not a size: sizes are finite numbers of GB, 0 or more")
+        return number
     if kind.startswith("list["):
         return _to_list(value, kind[5:-1])
     if kind == "dict":
@@ -83,9 +91,9 @@ def convert_value(key: str, value: Any) -> Any:
         try:
             parsed = json.loads(value)
         except (TypeError, ValueError):
-            raise ConversionError(f"{value!r} is not a JSON object") from None
+            raise ConversionError(f"{shown(value, quoted=True)} is not a JSON object") from None
         if not isinstance(parsed, dict):
-            raise ConversionError(f"{value!r} is not a JSON object")
+            raise ConversionError(f"{shown(value, quoted=True)} is not a JSON object")
         return parsed
     if isinstance(value, (dict, list)):
         raise ConversionError(f"expected a string, got a {type(value).__name__}")
@@ -110,12 +118,18 @@ def env_key(name: str) -> str | None:
     return key if key in inprocess_keys() else None
 
 
+def is_secret(key: str) -> bool:
+    """Whether a setting, variable or flag of this name holds a secret (password, api_key, --api-key…)."""
+    name = key.lower().replace("-", "_")
+    return any(word in name for word in SECRET_WORDS)
+
+
 def redact(key: str, value: Any) -> Any:
     """The value with passwords and tokens hidden, for showing on a screen or in a log."""
     if isinstance(value, str):
-        if any(word in key.lower() for word in SECRET_WORDS):
+        if is_secret(key):
             return "***" if value else value
-        return redact_url(value) if "://" in value else value
+        return redact_url(value)
     if isinstance(value, dict):
         return {item_key: redact(f"{key}.{item_key}", item) for item_key, item in value.items()}
     if isinstance(value, list):
@@ -139,15 +153,17 @@ def locate(target: str | os.PathLike) -> ConfigFiles:
     """Find the configuration files from a directory written by `config init` or a single file."""
     path = Path(target).expanduser()
     if path.is_dir():
+        # Present means read: a member that is not a regular file is refused when read, not skipped.
         files = ConfigFiles(
-            *(path / name if (path / name).is_file() else None for name in (CONFIG_FILE, KV_TRANSFER_FILE, ENV_FILE))
+            *(path / name if (path / name).exists() else None for name in (CONFIG_FILE, KV_TRANSFER_FILE, ENV_FILE))
         )
         if files.yaml_path is None and files.kv_transfer_path is None:
-            raise KvctlError(f"no {CONFIG_FILE} or {KV_TRANSFER_FILE} in {path}",
-                             hint=f"create one with 'kvctl config init --out {path}'")
+            raise KvctlError(f"no {CONFIG_FILE} or {KV_TRANSFER_FILE} in {shown(str(path), PATH_CHARS)}",
+                             hint=f"create one with 'kvctl config init --out {shown(str(path), PATH_CHARS)}'")
         return files
     if not path.exists():
-        raise KvctlError(f"no such file or directory: {path}", hint="give a YAML file or a directory from 'kvctl config init'")
+        raise KvctlError(f"no such file or directory: {shown(str(path), PATH_CHARS)}",
+                         hint="give a YAML file or a directory from 'kvctl config init'")
     if path.suffix == ".json":
         return ConfigFiles(kv_transfer_path=path)
     if path.suffix == ".sh":
@@ -155,17 +171,20 @@ def locate(target: str | os.PathLike) -> ConfigFiles:
     return ConfigFiles(yaml_path=path)
 
 
-def read_text(path: Path) -> str:
+def load_mapping(path: Path) -> dict[str, Any]:
+    """A configuration file (JSON by its .json suffix, else YAML) that must hold a mapping, or one clear error."""
+    import yaml
+
+    name = shown(str(path), PATH_CHARS)
+    text = read_text(path)
     try:
-        data = path.read_bytes()
-    except OSError as error:
-        raise KvctlError(f"cannot read {path}: {error.strerror}", hint="check the path and its permissions") from None
-    if b"\0" in data:
-        raise KvctlError(f"{path} is a binary file, not a configuration", hint="give the YAML/JSON text file")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise KvctlError(f"{path} is not UTF-8 text", hint="save the file as UTF-8") from None
+        data = json.loads(text) if path.suffix == ".json" else (load_yaml(text, str(path)) or {})
+    except (yaml.YAMLError, ValueError, RecursionError) as error:  # RecursionError: JSON nested a thousand deep
+        raise KvctlError(f"cannot parse {name}: {shown(str(error).splitlines()[0], 200)}",
+                         hint=f"run 'kvctl config validate {name}'") from None
+    if not isinstance(data, dict):
+        raise KvctlError(f"{name} is not a mapping of settings", hint=f"run 'kvctl config validate {name}'")
+    return data
 
 
 def parse_env_file(text: str) -> dict[str, str]:
@@ -189,11 +208,11 @@ def parse_env_file(text: str) -> dict[str, str]:
 
 
 def detect_mode(kv_transfer: dict[str, Any] | None, yaml_values: dict[str, Any] | None) -> str:
+    """mp when vLLM is told to use LMCacheMPConnector, or the YAML holds MP server settings."""
     if kv_transfer and kv_transfer.get("kv_connector") == MP_CONNECTOR:
         return "mp"
     if kv_transfer or not yaml_values:
         return "inprocess"
-    """mp when vLLM is told to use LMCacheMPConnector, or the YAML holds MP server settings."""
     keys, flags = inprocess_keys(), mp_server_flags()
     mp_only = sum(1 for key in yaml_values if key in flags and key not in keys)
     inprocess_only = sum(1 for key in yaml_values if key in keys and key not in flags)

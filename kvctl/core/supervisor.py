@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from kvctl.core.display import redact_url
 from kvctl.core.errors import KvctlError
 from kvctl.core.launch import Component, LaunchPlan, Readiness
 
@@ -33,9 +34,18 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def open_log(path: str):
+    """A child's log for appending, owner-only: servers log their configuration, Redis URLs included.
+    Created 0600 (never readable by others, not even for a moment); one left by an older kvctl is narrowed."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    os.fchmod(fd, 0o600)
+    return os.fdopen(fd, "ab")
+
+
 def log_tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
+    """The last lines of a child's log, passwords in URLs hidden: they end up in an error message."""
     try:
-        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+        return redact_url("\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:]))
     except OSError:
         return ""
 
@@ -70,7 +80,7 @@ class Supervisor:
 
     def _start(self, component: Component) -> None:
         Path(component.log).parent.mkdir(parents=True, exist_ok=True)
-        with open(component.log, "ab") as log:
+        with open_log(component.log) as log:
             self.processes[component.name] = subprocess.Popen(
                 component.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env={**os.environ, **component.env}, start_new_session=True, preexec_fn=_die_with_parent)

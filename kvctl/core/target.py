@@ -19,6 +19,7 @@ from kvctl.core.keys import KeyRecipe, MPKeyRecipe, dtype_name
 from kvctl.core.lmcache_config import (
     detect_mode,
     effective_config,
+    load_mapping,
     locate,
     parse_env_file,
     read_text,
@@ -71,19 +72,6 @@ def kv_dtype_for_model(model_dir: str | os.PathLike, platform: str = "cpu") -> s
     return dtype_name(declared)
 
 
-def _load_yaml(path: Path) -> dict[str, Any]:
-    import yaml
-
-    try:
-        data = yaml.safe_load(read_text(path)) or {}
-    except yaml.YAMLError as error:
-        raise KvctlError(f"cannot parse {path}: {str(error).splitlines()[0]}",
-                         hint=f"run 'kvctl config validate {path}'") from None
-    if not isinstance(data, dict):
-        raise KvctlError(f"{path} is not a mapping of settings", hint=f"run 'kvctl config validate {path}'")
-    return data
-
-
 @dataclass
 class Deployment:
     """What a `kvctl config init` directory (or an lmcache.yaml) says about a deployment."""
@@ -100,7 +88,7 @@ def read_deployment(config: str | os.PathLike) -> Deployment:
     files = locate(config)
     env = parse_env_file(read_text(files.env_path)) if files.env_path else {}
     kv_transfer = json.loads(read_text(files.kv_transfer_path)) if files.kv_transfer_path else {}
-    values = _load_yaml(files.yaml_path) if files.yaml_path else {}
+    values = load_mapping(files.yaml_path) if files.yaml_path else {}
     if detect_mode(kv_transfer or None, values or None) == "mp":
         stores, notes = _mp_stores(values)
         return Deployment("mp", env, values, values, stores, notes)

@@ -6,9 +6,11 @@ Tiers are named the way users say them: cpu, disk, redis. LMCache's own names
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from urllib.parse import unquote
 
+from kvctl.core.display import shown
 from kvctl.core.errors import UsageError
 
 REDIS_SCHEMES = ("redis", "rediss", "redis-sentinel", "redis-cluster")
@@ -50,7 +52,7 @@ def parse_redis_url(url: str) -> RedisURL:
     scheme, sep, rest = url.partition("://")
     if not sep or scheme not in REDIS_SCHEMES:
         raise UsageError(
-            f"not a Redis URL: {url!r}",
+            f"not a Redis URL: {shown(url, quoted=True)}",
             hint="use redis://[user:pass@]host:port[/db], rediss://…, redis-sentinel://h1:p1,h2:p2/master "
             "or redis-cluster://h1:p1,h2:p2",
         )
@@ -72,7 +74,8 @@ def parse_redis_url(url: str) -> RedisURL:
         service_name = path or None
     elif path:
         if not path.isdigit():
-            raise UsageError(f"Redis database must be a number in {url!r}, got {path!r}",
+            raise UsageError(f"Redis database must be a number in {shown(url, quoted=True)}, "
+                             f"got {shown(path, quoted=True)}",
                              hint="write the database index after the port, e.g. redis://127.0.0.1:6379/0")
         db = int(path)
     return RedisURL(scheme, hosts, username, password, db, service_name)
@@ -80,7 +83,7 @@ def parse_redis_url(url: str) -> RedisURL:
 
 def _parse_host_port(spec: str, default_port: int, url: str) -> tuple[str, int]:
     if not spec:
-        raise UsageError(f"Redis URL {url!r} has no host", hint="write it as redis://host:port")
+        raise UsageError(f"Redis URL {shown(url, quoted=True)} has no host", hint="write it as redis://host:port")
     if spec.startswith("["):  # [ipv6]:port
         host, _, port_text = spec[1:].partition("]")
         port_text = port_text.removeprefix(":")
@@ -89,16 +92,9 @@ def _parse_host_port(spec: str, default_port: int, url: str) -> tuple[str, int]:
     if not port_text:
         return host, default_port
     if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise UsageError(f"bad port {port_text!r} in Redis URL {url!r}", hint="ports are numbers from 1 to 65535")
+        raise UsageError(f"bad port {shown(port_text, quoted=True)} in Redis URL {shown(url, quoted=True)}",
+                         hint="ports are numbers from 1 to 65535")
     return host, int(port_text)
-
-
-def redact_url(url: str) -> str:
-    """The URL with any password replaced by ***; unparsable input is returned unchanged."""
-    try:
-        return parse_redis_url(url).url(redact=True)
-    except UsageError:
-        return url
 
 
 @dataclass(frozen=True)
@@ -120,16 +116,17 @@ def parse_tier(text: str) -> TierSpec:
         return TierSpec("cpu", size_gb=_parse_size(rest, text) if rest else None)
     if name == "disk":
         if not rest:
-            raise UsageError(f"disk tier needs a path: {text!r}", hint="write it as disk:PATH[:GB], e.g. disk:/var/cache/kv:50")
+            raise UsageError(f"disk tier needs a path: {shown(text, quoted=True)}",
+                             hint="write it as disk:PATH[:GB], e.g. disk:/var/cache/kv:50")
         path, size = rest, None
         head, colon, tail = rest.rpartition(":")
         if colon and _is_number(tail):
             path, size = head, _parse_size(tail, text)
         if not path:
-            raise UsageError(f"disk tier needs a path: {text!r}", hint="write it as disk:PATH[:GB]")
+            raise UsageError(f"disk tier needs a path: {shown(text, quoted=True)}", hint="write it as disk:PATH[:GB]")
         return TierSpec("disk", size_gb=size, path=path)
     raise UsageError(
-        f"unknown tier {text!r}",
+        f"unknown tier {shown(text, quoted=True)}",
         hint="use cpu[:GB], disk:PATH[:GB] or a redis://, rediss://, redis-sentinel://, redis-cluster:// URL",
     )
 
@@ -143,6 +140,8 @@ def _is_number(text: str) -> bool:
 
 
 def _parse_size(text: str, spec: str) -> float:
-    if not _is_number(text) or float(text) <= 0:
-        raise UsageError(f"bad size {text!r} in tier {spec!r}", hint="sizes are positive numbers of GB, e.g. cpu:4")
+    """A size in GB: a finite number above 0 (nan and inf parse as floats, and nan passes every `<= 0`)."""
+    if not _is_number(text) or not math.isfinite(float(text)) or float(text) <= 0:
+        raise UsageError(f"bad size {shown(text, quoted=True)} in tier {shown(spec, quoted=True)}",
+                         hint="sizes are positive numbers of GB, e.g. cpu:4")
     return float(text)

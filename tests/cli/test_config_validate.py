@@ -211,3 +211,39 @@ def test_block_size_option_and_table_output(tmp_path):
     assert table.stdout.strip().splitlines() == [
         f"{path}: error: chunk_size 48 is not a positive multiple of vLLM's block size {platform.vllm_block_size()} "
         f"(hint: use a multiple of {platform.vllm_block_size()} (vLLM rejects the connector otherwise), e.g. 256)"]
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("max_local_cpu_size: .nan", "nan is not a number"),
+    ("max_local_cpu_size: .inf", "inf is not a size"),
+    ("max_local_cpu_size: -1", "-1 is not a size"),
+    ("max_local_cpu_size: 0", "max_local_cpu_size is 0"),
+    ("max_local_disk_size: -.inf\nlocal_disk: /tmp/kvctl-disk/", "-inf is not a size"),
+    ("reserve_local_cpu_size: .nan", "nan is not a number"),
+])
+def test_sizes_that_are_no_real_amount_are_errors(tmp_path, text, message):
+    import yaml
+
+    key = text.split(":")[0]
+    path = write_yaml(tmp_path, yaml.safe_dump({name: value for name, value in GOOD.items() if name != key}) + text)
+    result, report = validate(path)
+    matching = [f for f in findings(report, "error") if f["key"] == key]
+    assert matching and message in matching[0]["message"], report["findings"]
+    assert result.code == 1
+
+
+@pytest.mark.parametrize(("size", "message"), [(".nan", "is not a number"), (".inf", "is not a size"),
+                                               ("0", "is not a size"), ("-2", "is not a size")])
+def test_mp_l1_size_must_be_a_real_amount(tmp_path, size, message):
+    path = write_yaml(tmp_path, f"port: 5555\nl1_size_gb: {size}\neviction_policy: LRU\n")
+    result, report = validate(path, "--mode", "mp")
+    assert result.code == 1
+    assert [f["key"] for f in report["findings"]] == ["l1_size_gb"] and message in report["findings"][0]["message"]
+
+
+def test_mp_resp_adapters_must_share_credentials(tmp_path):
+    adapters = '[{type: resp, host: a, port: 1, password: x}, {type: resp, host: b, port: 2}]'
+    result, report = validate(write_yaml(tmp_path, f"port: 5555\nl2_adapter: {adapters}\n"), "--mode", "mp")
+    assert result.code == 1
+    assert [f["key"] for f in report["findings"]] == ["l2_adapter"]
+    assert "different credentials" in report["findings"][0]["message"]

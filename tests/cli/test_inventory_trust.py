@@ -27,3 +27,12 @@ def test_the_servers_own_coordinator_wins_over_an_inventory(tmp_path, monkeypatc
     assert coordinator_url(None, str(tmp_path / "cfg")) == "http://127.0.0.1:9300"
     assert coordinator_url("http://127.0.0.1:7777", str(tmp_path / "cfg")) == "http://127.0.0.1:7777"
     assert coordinator_url(None, None) == "http://127.0.0.1:6666"  # no server configuration known: the inventory's
+
+
+def test_an_alias_bomb_in_the_inventory_is_refused(tmp_path):
+    bomb = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{chr(98 + i)}: &{chr(98 + i)} [*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, "
+        f"*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}]\n" for i in range(8))
+    (tmp_path / "inventory.yaml").write_text(bomb)
+    result = run_kvctl("health", "--instance", "all", "--inventory", tmp_path / "inventory.yaml", timeout=30)
+    assert result.code == 1 and "hint:" in result.stderr and "Traceback" not in result.stderr

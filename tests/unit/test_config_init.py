@@ -95,3 +95,16 @@ def test_write_files_never_replaces_without_force(tmp_path):
     write_files({"a.txt": "new"}, tmp_path, force=True)
     assert (tmp_path / "a.txt").read_text() == "new"
     assert sorted(path.name for path in Path(tmp_path).iterdir()) == ["a.txt", "b.txt"]  # no temp files left
+
+
+def test_written_files_are_owner_only_whatever_the_umask(tmp_path):
+    import os
+    import stat
+
+    previous = os.umask(0)  # the files may hold a Redis password: their mode must not depend on the umask
+    try:
+        written = write_files({"lmcache.yaml": "remote_url: redis://:pw@h:1\n", "env.sh": "", "a.json": "{}"},
+                              tmp_path, force=False)
+    finally:
+        os.umask(previous)
+    assert [stat.S_IMODE(path.stat().st_mode) for path in written] == [0o600, 0o600, 0o600]

@@ -1,0 +1,53 @@
+"""What of a user's value may be shown on a screen, in a message or in JSON: no passwords, no raw
+control characters (a value could rewrite the terminal), and never megabytes of it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+SHOWN_CHARS = 80  # a value echoed in a message
+PATH_CHARS = 4096  # a path echoed in a message (PATH_MAX): escaped, hardly ever cut
+# scheme://authority: the authority runs to the first "/" or blank, like parse_redis_url's netloc.
+_AUTHORITY = re.compile(r"://([^/\s]*)")
+# ?password=…, &token=…: the value of a secret-looking query parameter. Names are bounded in length,
+# so matching stays linear on any input.
+_SECRET_PARAMETER = re.compile(
+    r"([?&;][^=&;?#\s]{0,40}(?:pass|pwd|secret|token|api[_-]?key|access[_-]?key|signature|credential)"
+    r"[^=&;?#\s]{0,40}=)"
+    r"[^&;#\s]+",
+    re.IGNORECASE,
+)
+
+
+def _hide_userinfo(match: re.Match) -> str:
+    userinfo, at, hosts = match.group(1).rpartition("@")  # passwords may hold "@": the last one ends them
+    user, colon, password = userinfo.partition(":")
+    if not (at and colon and password):
+        return match.group(0)
+    return f"://{user}:***@{hosts}"
+
+
+def redact_url(text: str) -> str:
+    """`text` with the password of every URL in it (any scheme: redis://, rediss://, unix://, http://,
+    s3://…) and every secret query parameter (`?password=`, `&token=`…) replaced by ***."""
+    if "://" in text:
+        text = _AUTHORITY.sub(_hide_userinfo, text)
+    return _SECRET_PARAMETER.sub(r"\1***", text) if "=" in text else text
+
+
+def shown(value: Any, limit: int = SHOWN_CHARS, quoted: bool = False) -> str:
+    """`value` (its repr unless a plain string, or with `quoted`) for a message: passwords redacted,
+    control characters escaped, at most `limit` characters (cut with an ellipsis)."""
+    text = redact_url(repr(value) if quoted or not isinstance(value, str) else value)
+    pieces, length = [], 0
+    for char in text:
+        piece = char if char.isprintable() else char.encode("unicode_escape").decode("ascii")
+        if length + len(piece) > limit:
+            while length + 1 > limit:  # room for the ellipsis
+                length -= len(pieces.pop())
+            return "".join(pieces) + "…"
+        pieces.append(piece)
+        length += len(piece)
+    return "".join(pieces)
