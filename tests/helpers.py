@@ -135,13 +135,13 @@ def start_vllm(model_dir, log: Path, port: int, extra: list[str] = (), env: dict
 
 
 def start_standalone_engine(config_dir: Path, log: Path, chunk: int = 256, model: str = "tiny", world_size: int = 1,
-                            worker_id: int = 0) -> subprocess.Popen:
+                            worker_id: int = 0, env: dict | None = None) -> subprocess.Popen:
     """LMCache's standalone engine (real LMCacheEngine, MockGPUConnector) with kvctl's plugins loaded; one
     rank of a tensor-parallel engine when `world_size` > 1 (its API on port_start + 1 + worker_id)."""
     return start_process([sys.executable, "-m", "kvctl_plugins.standalone", "--config", str(config_dir / "lmcache.yaml"),
                           "--model-name", model, "--kv-shape", f"2,2,{chunk},2,32", "--kvcache-shape-spec",
                           "(4096,2,32):float16:2", "--kv-dtype", "float16", "--world-size", str(world_size),
-                          "--worker-id", str(worker_id)], log)
+                          "--worker-id", str(worker_id)], log, env)
 
 
 def edit_yaml(path: Path, **changes) -> None:

@@ -33,6 +33,9 @@ def init(
              "xxhash_cbor.")] = None,
     internal_api_port_start: Annotated[int, typer.Option(help="First port of LMCache's internal API servers "
                                                          "(scheduler; worker r is start + 1 + r).")] = 6999,
+    internal_api_host: Annotated[str, typer.Option(help="Where LMCache's internal API servers bind. Beyond loopback, "
+                                                   "kvctl's routes then require a bearer token, generated into "
+                                                   "env.sh.")] = "127.0.0.1",
     mp_port: Annotated[int, typer.Option(help="MP mode: the lmcache server's request port.")] = 5555,
     mp_http_port: Annotated[int, typer.Option(help="MP mode: the lmcache server's HTTP port.")] = 8080,
     model: Annotated[str | None, typer.Option(help="Model kvctl commands use by default with this config.")] = None,
@@ -51,7 +54,7 @@ def init(
         mode=mode.value, tiers=[parse_tier(text) for text in tier or []], chunk_size=chunk_size,
         hash_algorithm=hash_algorithm.value if hash_algorithm else None,
         internal_api_port_start=internal_api_port_start, mp_port=mp_port, mp_http_port=mp_http_port,
-        model=model, instance_id=instance_id, plugins=plugins,
+        model=model, instance_id=instance_id, plugins=plugins, internal_api_host=internal_api_host,
     )
     generated = build_config(request, out)
     written = write_files(generated.render(out.expanduser().absolute()), out, force)

@@ -6,11 +6,13 @@ server error (5). Subclasses name their server and the hints that fit it.
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from kvctl.core.errors import RejectedError, ServerError, UnreachableError
 
 KVCTL_ROUTES = "/kvctl/v1"
+TOKEN_VARIABLE = "KVCTL_ROUTES_TOKEN"  # the routes' bearer token, from the configuration's env.sh
 
 
 class HTTPClient:
@@ -23,11 +25,15 @@ class HTTPClient:
         import httpx
 
         self.url = url.rstrip("/")
+        token = os.environ.get(TOKEN_VARIABLE)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        # trust_env=False: kvctl's servers are local, and prompts' token ids never go through a proxy
         if url.startswith("unix:"):  # unix:/path/to/socket
             transport = httpx.HTTPTransport(uds=url[len("unix:"):])
-            self._client = httpx.Client(transport=transport, base_url="http://localhost", timeout=timeout)
+            self._client = httpx.Client(transport=transport, base_url="http://localhost", timeout=timeout,
+                                        headers=headers, trust_env=False)
         else:
-            self._client = httpx.Client(base_url=self.url, timeout=timeout)
+            self._client = httpx.Client(base_url=self.url, timeout=timeout, headers=headers, trust_env=False)
 
     def request(self, method: str, path: str, body: Any = None, params: dict | None = None) -> Any:
         """The parsed body (JSON when it parses, else text), or kvctl's error for the failure."""
@@ -48,6 +54,9 @@ class HTTPClient:
             payload = text
         if response.status_code == 404 and path.startswith(KVCTL_ROUTES) and _is_route_missing(payload):
             raise RejectedError(f"{self.url} has no kvctl routes (HTTP 404 for {path})", hint=self.no_routes_hint)
+        if response.status_code == 401 and path.startswith(KVCTL_ROUTES):
+            raise RejectedError(f"{self.url} wants a bearer token for kvctl's routes: {_message(payload)}",
+                                hint=f"set {TOKEN_VARIABLE} (source the configuration's env.sh) and retry")
         if 400 <= response.status_code < 500:
             raise RejectedError(f"{self.url} rejected {method} {path}: {_message(payload)}",
                                 hint="check the request; the server's message says what it wants")

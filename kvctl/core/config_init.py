@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import ipaddress
 import re
+import secrets
 import shlex
 import tempfile
 from dataclasses import dataclass, field
@@ -32,6 +34,7 @@ from kvctl.core.lmcache_config import (
 )
 from kvctl.core.lmcache_schema import inprocess_keys
 from kvctl.core.tiers import TierSpec
+from kvctl.clients.http import TOKEN_VARIABLE
 
 DEFAULT_CHUNK_SIZE = 256
 DEFAULT_INTERNAL_API_PORT_START = 6999
@@ -54,6 +57,7 @@ class ConfigRequest:
     instance_id: str | None = None
     platform: str | None = None
     plugins: bool = True
+    internal_api_host: str = LOOPBACK
 
 
 @dataclass
@@ -139,7 +143,7 @@ def _build_inprocess(request: ConfigRequest, tiers: list[TierSpec], instance_id:
         "pre_caching_hash_algorithm": algorithm,
         "lmcache_instance_id": instance_id,
         "internal_api_server_enabled": True,
-        "internal_api_server_host": LOOPBACK,
+        "internal_api_server_host": request.internal_api_host,
         "internal_api_server_port_start": request.internal_api_port_start,
         "run_script_api_enabled": False,
     })
@@ -154,7 +158,20 @@ def _build_inprocess(request: ConfigRequest, tiers: list[TierSpec], instance_id:
     notes = []
     if not cpu:
         notes.append("no --tier cpu given: LMCache still needs a CPU staging tier, sized at 0.5 GB")
+    if not is_loopback(request.internal_api_host):
+        env[TOKEN_VARIABLE] = secrets.token_urlsafe(32)
+        notes.append(f"the internal API binds {shown(request.internal_api_host)}, beyond this machine: kvctl's routes "
+                     f"answer only the bearer of {TOKEN_VARIABLE} (in env.sh, 0600; source it where kvctl runs)")
     return GeneratedConfig("inprocess", values, kv_transfer, env, notes)
+
+
+def is_loopback(host: str) -> bool:
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _build_mp(request: ConfigRequest, tiers: list[TierSpec], instance_id: str) -> GeneratedConfig:
@@ -314,7 +331,7 @@ INPROCESS_COMMENTS = {
     "pre_caching_hash_algorithm": "explicit, so kvctl can recompute chunk keys (with PYTHONHASHSEED from env.sh)",
     "lmcache_instance_id": "stable id (LMCache would pick a random one per start)",
     "internal_api_server_enabled": "kvctl's management commands talk to this server",
-    "internal_api_server_host": "loopback only",
+    "internal_api_server_host": "where the internal API binds (127.0.0.1: this machine only)",
     "internal_api_server_port_start": "scheduler = start, worker r = start + 1 + r",
     "run_script_api_enabled": "never: /run_script executes arbitrary code",
 }

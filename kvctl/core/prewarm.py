@@ -107,7 +107,7 @@ async def _prefill_all(url: str, model: str, prompts: list[Prompt], concurrency:
     import httpx
 
     limit = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=600) as client:
+    async with httpx.AsyncClient(timeout=600, trust_env=False) as client:
         async def one(prompt: Prompt) -> Outcome:
             async with limit:
                 outcome = await _send(client, url, model, prompt)

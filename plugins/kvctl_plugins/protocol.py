@@ -10,10 +10,12 @@ malformed request is a 4xx with {"error", "message"}; only a failure inside the 
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
 import json
 import logging
 import math
+import os
 from typing import Any, Callable
 
 from starlette.concurrency import run_in_threadpool
@@ -29,6 +31,7 @@ MAX_KEYS = 100_000
 MAX_STRING = 4096
 MAX_TTL_S = 30 * 24 * 3600.0
 LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
+TOKEN_VARIABLE = "KVCTL_ROUTES_TOKEN"  # written to env.sh (0600) by `kvctl config init` for a non-loopback bind
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +57,10 @@ class Forbidden(Rejected):
     status, code = 403, "forbidden"
 
 
+class Unauthorized(Rejected):
+    status, code = 401, "unauthorized"
+
+
 class TooLarge(Rejected):
     status, code = 413, "too_large"
 
@@ -71,6 +78,7 @@ async def serve(request: Request, engine: Any, operation: Callable[[Any, dict[st
     """Check the request, then answer operation(engine, body) computed on a worker thread."""
     try:
         check_host(request)
+        check_token(request, os.environ.get(TOKEN_VARIABLE))
         raw = await read_body(request)
         if engine is None:
             return error(503, "no_engine", no_engine)
@@ -93,6 +101,21 @@ def check_host(request: Request) -> None:
     if name not in LOOPBACK_NAMES:
         raise Forbidden(f"Host {host[:100]!r} is not a loopback name; this server answers 127.0.0.1, localhost "
                         "and [::1] only")
+
+
+def check_token(request: Request, token: str | None) -> None:
+    """The routes pin, evict and read prompts' token ids: beyond loopback they answer only a bearer of
+    the process's KVCTL_ROUTES_TOKEN (and none at all without one); with a token set, always."""
+    server = request.scope.get("server")
+    if not token:
+        if server and not _is_loopback_address(server[0]):
+            raise Forbidden(f"kvctl's routes are off on a server bound beyond loopback without {TOKEN_VARIABLE}; "
+                            "set it in the engine's environment (kvctl config init writes one to env.sh)")
+        return
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+        raise Unauthorized(f"a bearer token is required: send 'Authorization: Bearer ${TOKEN_VARIABLE}' "
+                           "(source the configuration's env.sh)")
 
 
 def _is_loopback_address(address: str) -> bool:
