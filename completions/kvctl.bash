@@ -47,7 +47,7 @@ _kvctl_complete() {
             "top") valued=" --instance --state --inventory --timeout --interval --format " ;;
             "version") valued=" --format " ;;
             "config") valued=" --format " ;;
-            "config init") valued=" --out -o --mode --tier --chunk-size --hash-algorithm --internal-api-port-start --mp-port --mp-http-port --model --instance-id --format " ;;
+            "config init") valued=" --out -o --mode --tier --chunk-size --hash-algorithm --internal-api-port-start --internal-api-host --mp-port --mp-http-port --model --instance-id --format " ;;
             "config validate") valued=" --mode --block-size --format " ;;
             "config show") valued=" --format " ;;
             "model") valued=" --format " ;;
@@ -182,6 +182,7 @@ _kvctl_complete() {
             "config init|--chunk-size") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "config init|--hash-algorithm") COMPREPLY=($(compgen -W "builtin sha256 sha256_cbor xxhash xxhash_cbor blake3" -- "$cur")); return ;;
             "config init|--internal-api-port-start") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "config init|--internal-api-host") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "config init|--mp-port") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "config init|--mp-http-port") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "config init|--model") COMPREPLY=($(kvctl complete-values models "$cur" 2>/dev/null)); return ;;
@@ -217,7 +218,7 @@ _kvctl_complete() {
             "top") words="--instance --state --inventory --timeout --interval --once --format --debug -q --quiet -h --help" ;;
             "version") words="--format --debug -q --quiet -h --help" ;;
             "config") words="--format --debug -q --quiet -h --help" ;;
-            "config init") words="--out -o --mode --tier --chunk-size --hash-algorithm --internal-api-port-start --mp-port --mp-http-port --model --instance-id --plugins --no-plugins --force --no-force --format --debug -q --quiet -h --help" ;;
+            "config init") words="--out -o --mode --tier --chunk-size --hash-algorithm --internal-api-port-start --internal-api-host --mp-port --mp-http-port --model --instance-id --plugins --no-plugins --force --no-force --format --debug -q --quiet -h --help" ;;
             "config validate") words="--mode --block-size --lmcache --no-lmcache --format --debug -q --quiet -h --help" ;;
             "config show") words="--sources --changed --format --debug -q --quiet -h --help" ;;
             "model") words="--format --debug -q --quiet -h --help" ;;

@@ -110,7 +110,7 @@ function __kvctl_path
             case 'config'
                 set valued --format
             case 'config init'
-                set valued --out -o --mode --tier --chunk-size --hash-algorithm --internal-api-port-start --mp-port --mp-http-port --model --instance-id --format
+                set valued --out -o --mode --tier --chunk-size --hash-algorithm --internal-api-port-start --internal-api-host --mp-port --mp-http-port --model --instance-id --format
             case 'config validate'
                 set valued --mode --block-size --format
             case 'config show'
@@ -336,6 +336,7 @@ complete -c kvctl -n '__kvctl_at '\''config init'\''' -l tier -r -F -d 'A cache 
 complete -c kvctl -n '__kvctl_at '\''config init'\''' -l chunk-size -r -F -d 'Tokens per chunk; a multiple of vLLM'\''s block size (128 on CPU).'
 complete -c kvctl -n '__kvctl_at '\''config init'\''' -l hash-algorithm -x -a 'builtin sha256 sha256_cbor xxhash xxhash_cbor blake3' -d 'Chunk hash: sha256_cbor (in-process default), blake3 (MP default), builtin, sha256, xxhash, xxhash_cbor.'
 complete -c kvctl -n '__kvctl_at '\''config init'\''' -l internal-api-port-start -r -F -d 'First port of LMCache'\''s internal API servers (scheduler; worker r is start + 1 + r).'
+complete -c kvctl -n '__kvctl_at '\''config init'\''' -l internal-api-host -r -F -d 'Where LMCache'\''s internal API servers bind. Beyond loopback, kvctl'\''s routes then require a bearer token, generated into env.sh.'
 complete -c kvctl -n '__kvctl_at '\''config init'\''' -l mp-port -r -F -d 'MP mode: the lmcache server'\''s request port.'
 complete -c kvctl -n '__kvctl_at '\''config init'\''' -l mp-http-port -r -F -d 'MP mode: the lmcache server'\''s HTTP port.'
 complete -c kvctl -n '__kvctl_at '\''config init'\''' -l model -x -a '(kvctl complete-values models (commandline -ct))' -d 'Model kvctl commands use by default with this config.'
