@@ -3,20 +3,32 @@
 Presence checks never GET a value and never use KEYS. For plain and TLS Redis, kvctl speaks RESP
 on its own socket: one pipelined write of N EXISTS commands, and N fixed-size integer replies
 (`:0\\r\\n` / `:1\\r\\n`) read back in bulk, which is several times faster than a generic client.
-Sentinel and cluster deployments go through redis-py.
+Sentinel and cluster deployments go through redis-py, as LMCache's own connectors do:
+
+* `redis-cluster://h1:p1,h2:p2`: any reachable node is enough to learn the topology; SCAN runs on every
+  primary (a chunk's two names hash to different slots, so they usually live on different nodes), and
+  presence checks, sizes and removals go one name per command, pipelined per node (redis-py refuses a
+  multi-key command across slots).
+* `redis-sentinel://h1:p1,h2:p2[/name]`: the sentinels name the current master, and kvctl reads and
+  removes there. LMCache takes the service name from `REDIS_SERVICE_NAME` in the engine's environment
+  (default `redismaster`) and ignores the URL's path; kvctl takes `REDIS_SERVICE_NAME` from its own
+  environment first (source the configuration's env.sh), then the URL's path, then `redismaster`.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import ssl
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from kvctl.core.errors import RejectedError, ServerError, UnreachableError
+from kvctl.core.errors import KvctlError, RejectedError, ServerError, UnreachableError
 from kvctl.core.tiers import RedisURL
 
 BATCH = 4096
+SERVICE_NAME_ENV = "REDIS_SERVICE_NAME"  # LMCache's sentinel connector reads the master's name from it
+DEFAULT_SERVICE_NAME = "redismaster"  # … and falls back to this
 SCAN_COUNT = 10_000  # keys the server looks at per SCAN call: fewer round trips, each still short
 TIMEOUT_S = 5.0
 
@@ -163,9 +175,77 @@ class RedisTier:
             return names
 
     def memory(self) -> dict:
-        """The server's INFO memory section (used_memory, maxmemory, maxmemory_policy, …)."""
+        """The server's INFO memory section (used_memory, maxmemory, maxmemory_policy, …). On a cluster,
+        the primaries' sections added up: memory and limits summed (maxmemory 0, no limit, when any primary
+        has none), the policy named once when all agree, else the distinct policies joined by commas."""
+        nodes = self.memory_by_node()
+        if len(nodes) == 1:
+            return next(iter(nodes.values()))
+        infos = list(nodes.values())
+        merged = {name: value for name, value in infos[0].items() if not name.endswith("_human")}  # one node's text
+        for field in ("used_memory", "used_memory_rss", "used_memory_dataset"):
+            if all(field in info for info in infos):
+                merged[field] = sum(int(info[field]) for info in infos)
+        limits = [int(info.get("maxmemory") or 0) for info in infos]
+        merged["maxmemory"] = 0 if 0 in limits else sum(limits)
+        merged["maxmemory_policy"] = ",".join(dict.fromkeys(str(info.get("maxmemory_policy")) for info in infos))
+        merged["nodes"] = len(infos)
+        return merged
+
+    def memory_by_node(self) -> dict[str, dict]:
+        """INFO memory of every server that holds chunks, by "host:port": each primary of a cluster,
+        the master of a sentinel deployment, the one server otherwise."""
         with self._session() as client:
-            return client.info("memory")
+            if self.url.scheme == "redis-cluster":
+                from redis.cluster import RedisCluster
+
+                return dict(client.info("memory", target_nodes=RedisCluster.PRIMARIES))
+            return {self._address(client): client.info("memory")}
+
+    def eviction_risk(self) -> str | None:
+        """`split_eviction_risk` of every server that holds chunks (see memory_by_node); where there are
+        several (a cluster's primaries), the servers at risk are named before each distinct warning.
+        None when no server is at risk."""
+        nodes = self.memory_by_node()
+        by_risk: dict[str, list[str]] = {}
+        for node, info in nodes.items():
+            if risk := split_eviction_risk(info):
+                by_risk.setdefault(risk, []).append(node)
+        if len(nodes) == 1:
+            return next(iter(by_risk), None)
+        return "; ".join(f"{', '.join(sorted(at))}: {risk}" for risk, at in by_risk.items()) or None
+
+    def ping(self) -> str:
+        """Check that every server holding chunks answers; the detail for `kvctl health`. A cluster must
+        answer on each primary and report cluster_state:ok (a cluster missing a primary refuses every
+        command once its nodes notice); a sentinel deployment names the master the sentinels chose."""
+        if self.url.scheme not in ("redis-sentinel", "redis-cluster"):
+            self.exists(["kvctl-health"])
+            return "answers"
+        with self._session() as client:
+            if self.url.scheme == "redis-cluster":
+                from redis.cluster import RedisCluster
+
+                client.ping(target_nodes=RedisCluster.PRIMARIES)
+                state = client.cluster_info()
+                if state.get("cluster_state") != "ok":
+                    raise UnreachableError(f"Redis Cluster state is {state.get('cluster_state')!r}, not ok",
+                                           hint="a primary is down or slots are not covered: redis-cli --cluster check")
+                return f"answers (cluster, {len(client.get_primaries())} primaries)"
+            client.ping()
+            return f"answers (master {self._address(client)} of {self.service_name()!r})"
+
+    def service_name(self) -> str:
+        """The sentinel service (master) name: REDIS_SERVICE_NAME, else the URL's path, else redismaster."""
+        return os.environ.get(SERVICE_NAME_ENV) or self.url.service_name or DEFAULT_SERVICE_NAME
+
+    def _address(self, client) -> str:
+        """host:port of the server a plain or sentinel client talks to."""
+        if self.url.scheme == "redis-sentinel":
+            host, port = client.connection_pool.get_master_address()
+            return f"{host}:{port}"
+        host, port = self.url.hosts[0]
+        return f"{host}:{port}"
 
     def value_sizes(self, names: Sequence[str]) -> list[int]:
         """STRLEN of each name (0 when missing), pipelined: sizes without reading a value."""
@@ -183,24 +263,47 @@ class RedisTier:
         if self.url.scheme == "redis-cluster":
             return RedisCluster(startup_nodes=[ClusterNode(host, port) for host, port in self.url.hosts], **common)
         if self.url.scheme == "redis-sentinel":
-            sentinel = Sentinel(list(self.url.hosts), socket_timeout=self.timeout)
-            return sentinel.master_for(self.url.service_name or "redismaster", **common)
+            # the sentinels themselves take no credentials (LMCache passes none to them either)
+            sentinel = Sentinel(list(self.url.hosts), sentinel_kwargs={"socket_timeout": self.timeout,
+                                                                       "socket_connect_timeout": self.timeout})
+            return sentinel.master_for(self.service_name(), **common)
         host, port = self.url.hosts[0]
         return redis.Redis(host=host, port=port, db=self.url.db, ssl=self.url.tls, **common)
 
     @contextmanager
     def _session(self) -> Iterator:
-        """A redis-py client for one operation, closed after it; redis-py's errors become kvctl's."""
-        client = self._redis_py()
+        """A redis-py client for one operation, closed after it; redis-py's errors become kvctl's (also
+        those of building the client: a cluster client connects to learn the topology)."""
+        client = None
         try:
+            client = self._redis_py()
             yield client
         except Exception as error:  # noqa: BLE001 - redis-py's exceptions, mapped to kvctl's
-            raise _map_redis_error(error) from None
+            raise self._map_error(error) from None
         finally:
-            client.close()
+            if client is not None:
+                client.close()
+
+    def _map_error(self, error: Exception) -> Exception:
+        from redis.exceptions import ClusterDownError, RedisClusterException
+        from redis.sentinel import MasterNotFoundError
+
+        if isinstance(error, KvctlError):
+            return error
+        hosts = ",".join(f"{host}:{port}" for host, port in self.url.hosts)
+        if isinstance(error, MasterNotFoundError):
+            return UnreachableError(
+                f"no Redis master {self.service_name()!r} at the sentinels {hosts}: {error}",
+                hint=f"check that the sentinels run and monitor this name; LMCache reads it from {SERVICE_NAME_ENV} "
+                     f"(default {DEFAULT_SERVICE_NAME}), and so does kvctl (source the configuration's env.sh)")
+        if isinstance(error, ClusterDownError | RedisClusterException):
+            return UnreachableError(f"Redis Cluster at {hosts} is not usable: {error}",
+                                    hint="check that every primary runs: redis-cli --cluster check HOST:PORT")
+        return _map_redis_error(error)
 
     def _per_name(self, command: str, names: Sequence[str]) -> list:
-        """The replies to `command name` for each name, pipelined BATCH at a time."""
+        """The replies to `command name` for each name, pipelined BATCH at a time (on a cluster, redis-py
+        sends each node the commands for its slots)."""
         with self._session() as client:
             replies = []
             for offset in range(0, len(names), BATCH):
@@ -210,6 +313,31 @@ class RedisTier:
                 replies.extend(pipe.execute())
             return replies
 
+
+def split_eviction_risk(memory_info: dict) -> str | None:
+    """Whether a Redis server (its INFO memory section) may evict one of a chunk's two names and keep
+    the other: an `allkeys-*` policy with a memory limit evicts names one by one, so `<key>kv_bytes` can
+    go while `<key>metadata` stays (LMCache then reports the chunk as stored and fails to read it, and
+    only deletes the orphan on the next read), or the reverse (an orphaned value nobody reads). A warning
+    for `kvctl health` and `kvctl config validate`; None when there is no such risk (no limit, or a
+    policy that never evicts LMCache's names: `noeviction`, `volatile-*` — LMCache sets no TTL)."""
+    policy = str(memory_info.get("maxmemory_policy") or "")
+    try:
+        limit = int(memory_info.get("maxmemory") or 0)
+    except (TypeError, ValueError):
+        limit = 0
+    if not limit or not policy.startswith("allkeys-"):
+        return None
+    return (f"maxmemory-policy {policy} with maxmemory {_size(limit)} evicts names one at a time: one of a chunk's "
+            "two names (<key>kv_bytes, <key>metadata) can go while the other stays, and LMCache then counts a "
+            "chunk it cannot read")
+
+
+def _size(count: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= scale:
+            return f"{count / scale:.4g} {unit}"
+    return f"{count} B"
 
 
 def _map_redis_error(error: Exception):

@@ -158,6 +158,9 @@ def _build_inprocess(request: ConfigRequest, tiers: list[TierSpec], instance_id:
     notes = []
     if not cpu:
         notes.append("no --tier cpu given: LMCache still needs a CPU staging tier, sized at 0.5 GB")
+    if redis and redis.redis.scheme == "redis-sentinel":
+        notes.append("LMCache 0.5.6's redis-sentinel connector stores nothing (it never awaits Redis); use redis:// to "
+                     "the master or redis-cluster://")
     if not is_loopback(request.internal_api_host):
         env[TOKEN_VARIABLE] = secrets.token_urlsafe(32)
         notes.append(f"the internal API binds {shown(request.internal_api_host)}, beyond this machine: kvctl's routes "

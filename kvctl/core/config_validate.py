@@ -18,7 +18,7 @@ from typing import Any
 from kvctl.core import platform
 from kvctl.core.config_init import resp_credentials
 from kvctl.core.display import PATH_CHARS, shown
-from kvctl.core.errors import UsageError
+from kvctl.core.errors import KvctlError, UsageError
 from kvctl.core.keys import MP_BUILTIN_UNREPRODUCIBLE
 from kvctl.core.lmcache_config import (
     HASH_ALGORITHMS,
@@ -217,9 +217,15 @@ def _check_inprocess_values(values: dict[str, Any], block: int, collector: _Coll
         scheme = str(remote).partition("://")[0]
         if scheme in REDIS_SCHEMES:
             try:
-                parse_redis_url(str(remote))
+                url = parse_redis_url(str(remote))
             except UsageError as error:
                 collector.error("remote_url", f"remote_url: {error.message}", hint=error.hint)
+            else:
+                _check_redis_eviction(collector, url)
+        if scheme == "redis-sentinel":
+            collector.error("remote_url", "LMCache 0.5.6's redis-sentinel connector never awaits Redis: it stores "
+                            "nothing and answers every lookup as cached", hint="point remote_url at the master with "
+                            "redis://, or use redis-cluster://")
         if get("remote_storage_plugins"):
             collector.error("remote_url", "remote_url (deprecated) is set next to remote_storage_plugins: "
                             "LMCache creates both remote backends", hint="keep only remote_storage_plugins")
@@ -229,7 +235,8 @@ def _check_inprocess_values(values: dict[str, Any], block: int, collector: _Coll
     host = get("internal_api_server_host")
     if get("internal_api_server_enabled") and not _is_loopback(host):
         collector.warning("internal_api_server_host", f"the internal API server binds {shown(host)}, beyond this "
-                          "machine, with no authentication", hint="bind 127.0.0.1 (the default)")
+                          "machine: LMCache's own routes have no authentication (kvctl's answer only KVCTL_ROUTES_TOKEN)",
+                          hint="bind 127.0.0.1 (the default)")
     if not get("internal_api_server_enabled") and source == "file":
         collector.warning("internal_api_server_enabled", "the internal API server is off: kvctl can only inspect "
                           "disk and Redis offline", hint="set internal_api_server_enabled: true")
@@ -243,6 +250,21 @@ def _check_inprocess_values(values: dict[str, Any], block: int, collector: _Coll
     if "lmcache_instance_id" not in values and source == "file":
         collector.warning("lmcache_instance_id", "no lmcache_instance_id: LMCache picks a random one at every start",
                           hint="set a stable lmcache_instance_id")
+
+
+def _check_redis_eviction(collector, url) -> None:
+    """Warn when the Redis server may evict one of a chunk's two names and keep the other (asked with a
+    short timeout; a server that does not answer from here says nothing about its policy)."""
+    from kvctl.clients.redis_tier import RedisTier
+
+    try:
+        with RedisTier(url, timeout=2.0) as redis:
+            risk = redis.eviction_risk()
+    except KvctlError:
+        return
+    if risk:
+        collector.warning("remote_url", f"Redis at {url.url(redact=True)}: {risk}",
+                          hint="use maxmemory-policy noeviction or volatile-* (LMCache sets no TTL), or no maxmemory")
 
 
 def _is_loopback(host: Any) -> bool:

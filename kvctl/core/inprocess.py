@@ -83,9 +83,10 @@ def pins(worker0: str) -> list[dict[str, Any]]:
 
 def evict(worker0: str, *, tiers: list[str] | None, everything: bool, dry_run: bool,
           **selection: Any) -> dict[str, Any]:
-    """Evict through every worker's routes, except Redis by keys or whole: kvctl removes those chunks
-    itself (pipelined, counted from what Redis removed) after asking each worker which of its rank's
-    chunks its pins hold. A whole Redis tier is enumerated by SCAN, since LMCache cannot list it:
+    """Evict through every worker's routes, except Redis: kvctl removes a prompt's, given or all chunks
+    there itself, from what Redis holds (an engine's remote backend may answer for what it never
+    wrote), pipelined and counted from what Redis removed, after asking each worker which of its
+    rank's chunks its pins hold. A whole Redis tier is enumerated by SCAN, since LMCache cannot list it:
     only chunks of the engine's own model are taken from a Redis that others may share. Given keys
     go to the worker of their rank."""
     from kvctl.core.listing import engine_redis_store, redis_tier_keys, stored_redis_keys, unlink_chunks
@@ -94,7 +95,7 @@ def evict(worker0: str, *, tiers: list[str] | None, everything: bool, dry_run: b
     with open_workers(worker0) as (workers, info):
         present = [entry["tier"] for entry in info["tiers"]]
         chosen = present if not tiers or "all" in tiers else tiers
-        direct = ["redis"] if "tokens" not in selection and "redis" in chosen and "redis" in present else []
+        direct = ["redis"] if "redis" in chosen and "redis" in present else []
         routed = [tier for tier in chosen if tier not in direct]
         keys = _chunk_keys(selection.pop("keys")) if "keys" in selection else None
         if routed:
@@ -106,6 +107,8 @@ def evict(worker0: str, *, tiers: list[str] | None, everything: bool, dry_run: b
                         _add(result, worker.evict(tiers=routed, keys=batch, dry_run=dry_run, **selection))
         if direct:
             store = engine_redis_store(workers[0])
+            if "tokens" in selection:  # each rank's keys for the prompt, from its engine
+                keys = [chunk["key"] for worker in workers for chunk in worker.lookup(selection["tokens"])["chunks"]]
             candidates = redis_tier_keys(store, info["model"]) if keys is None else stored_redis_keys(store, keys)
             going, kept = candidates, 0
             if not selection.get("force") and candidates:

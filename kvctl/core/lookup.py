@@ -168,32 +168,36 @@ def lookup(tokens: Sequence[int], target: Target, open_source: Callable[[Store],
 
 
 def engine_lookup(worker0: str, info: dict[str, Any], token_ids: list[int]) -> LookupResult:
-    """Ask every worker's kvctl routes (the authoritative view, CPU tier included). LMCache's remote
-    backend answers "not contained" while its Redis is down, so Redis is asked whether it answers at
-    all: if not, the redis tier is an error, not 0 hits."""
+    """Ask every worker's kvctl routes (the authoritative view of the CPU and disk tiers), and Redis
+    itself for the redis tier: LMCache's remote backend answers "not contained" while its Redis is
+    down, and some of its connectors answer "contained" for what they never wrote (0.5.6's sentinel
+    connector), so an unreachable Redis is an error, not 0 hits, and a hit is a name Redis holds."""
     from kvctl.clients.internal_api import InternalAPIClient
     from kvctl.core.instances import worker_url
+    from kvctl.core.listing import engine_redis_store
 
-    answers, down = [], {}
+    answers, store = [], None
     for rank in range(info["world_size"]):
         with InternalAPIClient(worker_url(worker0, rank)) as worker:
             answers.append(worker.lookup(token_ids))
-            if rank == 0:
-                down = tier_errors(worker, info)
-    return from_engine_answers(info, answers, down)
+            if rank == 0 and any(entry["tier"] == "redis" for entry in info["tiers"]):
+                store = engine_redis_store(worker)
+    return from_engine_answers(info, answers, redis_truth(store, answers) if store else {})
 
 
-def tier_errors(worker, info: dict[str, Any]) -> dict[str, str]:
-    """The tiers of a live engine that cannot answer truthfully now (its Redis, when unreachable)."""
-    from kvctl.core.listing import engine_redis_store
-    from kvctl.core.observe import redis_ping
+def redis_truth(store, answers: list[dict[str, Any]]) -> dict[str, str]:
+    """Mark the redis tier of each answered chunk by what the Redis `store` holds (its metadata name, as
+    LMCache checks); {"redis": why} when Redis cannot answer."""
+    from kvctl.core.listing import stored_redis_keys
 
-    if not any(entry["tier"] == "redis" for entry in info["tiers"]):
-        return {}
     try:
-        redis_ping(engine_redis_store(worker).redis)
+        held = set(stored_redis_keys(store, [chunk["key"] for answer in answers for chunk in answer["chunks"]]))
     except KvctlError as error:
         return {"redis": error.message}
+    for answer in answers:
+        for chunk in answer["chunks"]:
+            chunk["tiers"] = [tier for tier in chunk["tiers"] if tier != "redis"] + (["redis"] if chunk["key"] in held
+                                                                                     else [])
     return {}
 
 

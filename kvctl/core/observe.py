@@ -57,11 +57,17 @@ def disk_writable(directory: str) -> str:
 
 
 def redis_ping(url) -> str:
+    """Every server holding chunks answers (each primary of a cluster); the detail warns when the
+    eviction policy can drop one of a chunk's two names and keep the other."""
     from kvctl.clients.redis_tier import RedisTier
 
     with RedisTier(url) as redis:
-        redis.exists(["kvctl-health"])
-    return "answers"
+        detail = redis.ping()
+        try:
+            risk = redis.eviction_risk()
+        except KvctlError:  # INFO may be renamed away; the server still answered
+            risk = None
+    return f"{detail}; warning: {risk}" if risk else detail
 
 
 def redis_usage(store, model: str) -> dict[str, Any]:
