@@ -33,7 +33,7 @@ _kvctl_complete() {
         valued=""
         case "$kv_path" in
             "") valued=" --format " ;;
-            "serve") valued=" --mode --tier --config --host --port --internal-api-port-start --mp-port --mp-http-port --name --state --format " ;;
+            "serve") valued=" --mode --tier --config --host --port --internal-api-port-start --mp-port --mp-http-port --coordinator --coordinator-port --name --state --format " ;;
             "prewarm") valued=" --concurrency --from-tier --instance --vllm-url --state --format " ;;
             "lookup") valued=" --prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --instance --state --inventory --timeout --format " ;;
             "keys") valued=" --prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --format " ;;
@@ -69,6 +69,8 @@ _kvctl_complete() {
             "serve|--internal-api-port-start") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "serve|--mp-port") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "serve|--mp-http-port") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "serve|--coordinator") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "serve|--coordinator-port") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "serve|--name") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "serve|--state") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "serve|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
@@ -204,7 +206,7 @@ _kvctl_complete() {
     if [[ $cur == -* ]]; then
         case "$kv_path" in
             "") words="--format --debug -q --quiet --show-completion --install-completion -h --help" ;;
-            "serve") words="--mode --tier --config --host --port --internal-api-port-start --mp-port --mp-http-port --name --state --dry-run --format --debug -q --quiet -h --help" ;;
+            "serve") words="--mode --tier --config --host --port --internal-api-port-start --mp-port --mp-http-port --coordinator --coordinator-port --no-coordinator --keep-lmcache-env --name --state --dry-run --format --debug -q --quiet -h --help" ;;
             "prewarm") words="--chat --concurrency --from-tier --instance --vllm-url --state --format --debug -q --quiet -h --help" ;;
             "lookup") words="--prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --instance --offline --state --inventory --timeout --format --debug -q --quiet -h --help" ;;
             "keys") words="--prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --format --debug -q --quiet -h --help" ;;

@@ -82,7 +82,7 @@ function __kvctl_path
             case ''
                 set valued --format
             case 'serve'
-                set valued --mode --tier --config --host --port --internal-api-port-start --mp-port --mp-http-port --name --state --format
+                set valued --mode --tier --config --host --port --internal-api-port-start --mp-port --mp-http-port --coordinator --coordinator-port --name --state --format
             case 'prewarm'
                 set valued --concurrency --from-tier --instance --vllm-url --state --format
             case 'lookup'
@@ -169,6 +169,10 @@ complete -c kvctl -n '__kvctl_at '\''serve'\''' -l port -r -F -d 'vLLM'\''s Open
 complete -c kvctl -n '__kvctl_at '\''serve'\''' -l internal-api-port-start -r -F -d 'LMCache internal API ports (in-process).'
 complete -c kvctl -n '__kvctl_at '\''serve'\''' -l mp-port -r -F -d 'MP mode: the lmcache server'\''s request port.'
 complete -c kvctl -n '__kvctl_at '\''serve'\''' -l mp-http-port -r -F -d 'MP mode: the lmcache server'\''s HTTP port.'
+complete -c kvctl -n '__kvctl_at '\''serve'\''' -l coordinator -r -F -d 'MP mode: use this LMCache coordinator (URL) instead of starting one.'
+complete -c kvctl -n '__kvctl_at '\''serve'\''' -l coordinator-port -r -F -d 'MP mode: the port of the coordinator kvctl starts on 127.0.0.1.'
+complete -c kvctl -n '__kvctl_at '\''serve'\''' -l no-coordinator -d 'MP mode: start no coordinator (MP pins need one).'
+complete -c kvctl -n '__kvctl_at '\''serve'\''' -l keep-lmcache-env -d 'Pass inherited LMCACHE_* variables on to vLLM and LMCache, where they override the configuration (by default they are left out, and named).'
 complete -c kvctl -n '__kvctl_at '\''serve'\''' -l name -r -F -d 'Name of this instance (its files live under kvctl'\''s cache).'
 complete -c kvctl -n '__kvctl_at '\''serve'\''' -l state -r -F -d 'State file other kvctl commands read (default: kvctl'\''s cache/serve/state.json).'
 complete -c kvctl -n '__kvctl_at '\''serve'\''' -l dry-run -d 'Print the commands and environment; start nothing.'

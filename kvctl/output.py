@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+
 def default_format() -> str:
     """Tables for a person at a terminal, JSON when stdout is piped."""
     return "table" if sys.stdout.isatty() else "json"

@@ -9,8 +9,8 @@ from typing import Annotated
 import typer
 
 from kvctl.cli import cache, completion, config, lookup, model, observe, prewarm, serve, version
-from kvctl.core.errors import EXIT_CODE_MEANINGS, ExitCode, KvctlError
 from kvctl.cli.options import OutputFormat
+from kvctl.core.errors import EXIT_CODE_MEANINGS, ExitCode, KvctlError
 from kvctl.output import Output
 
 EPILOG = "Exit codes: " + ", ".join(f"{int(code)} {meaning}" for code, meaning in EXIT_CODE_MEANINGS.items()) + "."

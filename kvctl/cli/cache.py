@@ -26,7 +26,6 @@ from kvctl.cli.lookup import (
 from kvctl.cli.observe import report_errors
 from kvctl.cli.options import (
     FleetInstance,
-    InstanceOption,
     InventoryOption,
     StateOption,
     Tier,
@@ -102,7 +101,7 @@ def _mp_model(found, model: str | None) -> tuple[str, int]:
 def _coordinator(url: str | None, found) -> str:
     from kvctl.core.mp_cache import COORDINATOR_HINT, NO_COORDINATOR, coordinator_url
 
-    url = coordinator_url(url, found.config_dir)
+    url = coordinator_url(url, found.config_dir, found.coordinator)
     if not url:
         raise UsageError(NO_COORDINATOR, hint=COORDINATOR_HINT)
     return url
@@ -373,8 +372,9 @@ def _eviction(found, *, prompt, keys, tiers, force, model, vllm_url, coordinator
 
     worker, info, found = _open(found, vllm_url)
     if worker is None:
-        target = mp_cache.MPTarget(found.mp_http, listing.config_stores(config or found.config_dir), model or found.model,
-                                   mp_cache.coordinator_url(coordinator, config or found.config_dir))
+        config_dir = config or found.config_dir
+        target = mp_cache.MPTarget(found.mp_http, listing.config_stores(config_dir), model or found.model,
+                                   mp_cache.coordinator_url(coordinator, config_dir, found.coordinator))
         selection = {"tiers": tiers, "force": force, "keys": keys}
         if prompt:
             selection["tokens"] = _tokens(target.model or _mp_model(found, None)[0], *prompt, model, found.vllm)

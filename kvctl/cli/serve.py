@@ -28,6 +28,15 @@ def serve(
     internal_api_port_start: Annotated[int, typer.Option(help="LMCache internal API ports (in-process).")] = 6999,
     mp_port: Annotated[int, typer.Option(help="MP mode: the lmcache server's request port.")] = 5555,
     mp_http_port: Annotated[int, typer.Option(help="MP mode: the lmcache server's HTTP port.")] = 8080,
+    coordinator: Annotated[str | None, typer.Option(help="MP mode: use this LMCache coordinator (URL) instead of "
+                                                    "starting one.")] = None,
+    coordinator_port: Annotated[int, typer.Option(help="MP mode: the port of the coordinator kvctl starts on "
+                                                  "127.0.0.1.")] = 9300,
+    no_coordinator: Annotated[bool, typer.Option("--no-coordinator", help="MP mode: start no coordinator (MP "
+                                                 "pins need one).")] = False,
+    keep_lmcache_env: Annotated[bool, typer.Option("--keep-lmcache-env", help="Pass inherited LMCACHE_* variables "
+                                                   "on to vLLM and LMCache, where they override the configuration "
+                                                   "(by default they are left out, and named).")] = False,
     name: Annotated[str, typer.Option(help="Name of this instance (its files live under kvctl's cache).")] = "default",
     state: Annotated[Path | None, typer.Option(help="State file other kvctl commands read (default: kvctl's "
                                                "cache/serve/state.json).")] = None,
@@ -38,6 +47,8 @@ def serve(
 
     Extra vLLM arguments go after `--`. Ctrl-C (or SIGTERM) stops everything in order.
     """
+    from kvctl.core.display import shown
+    from kvctl.core.errors import UsageError
     from kvctl.core.launch import build_plan, preflight
     from kvctl.core.tiers import parse_tier
 
@@ -46,17 +57,30 @@ def serve(
     if model is not None and model.startswith("-"):  # `kvctl serve -- --flag …`: no model, only vLLM arguments
         extra_vllm_args.insert(0, model)
         model = None
+    if coordinator is not None and (no_coordinator or not coordinator.startswith(("http://", "https://"))):
+        raise UsageError(f"--coordinator {shown(coordinator)} " + ("with --no-coordinator" if no_coordinator else
+                                                              "is not an http:// or https:// URL"),
+                         hint="give the coordinator's URL (e.g. http://127.0.0.1:9300), or --no-coordinator alone")
     plan = build_plan(name=name, model=model, mode=mode.value, tiers=[parse_tier(t) for t in tier or []], config=config,
                       host=host, port=port, internal_api_port_start=internal_api_port_start, mp_port=mp_port,
-                      mp_http_port=mp_http_port, state_file=state, extra_vllm_args=extra_vllm_args, write=not dry_run)
+                      mp_http_port=mp_http_port, state_file=state, extra_vllm_args=extra_vllm_args,
+                      coordinator=coordinator, start_coordinator=not no_coordinator, coordinator_port=coordinator_port,
+                      keep_lmcache_env=keep_lmcache_env, write=not dry_run)
     if dry_run:
         shown_plan = plan.as_dict()
         out.emit(shown_plan, _plan_lines(shown_plan))
         return
-    ports = [port] + ([mp_port, mp_http_port] if plan.mode == "mp" else
-                      [int(url.rsplit(":", 1)[1]) for url in plan.endpoints["internal_api"]])
-    preflight(plan, host, ports)
+    preflight(plan)
+    _announce_lmcache_env(out, plan)
     _run(out, plan)
+
+
+def _announce_lmcache_env(out, plan) -> None:
+    """Name the inherited LMCACHE_* variables the children do not get: LMCache would take them over the
+    plan's configuration file."""
+    if plan.unset_env:
+        out.warn(f"leaving {', '.join(plan.unset_env)} out of vLLM's and LMCache's environment: LMCache reads "
+                 "LMCACHE_* variables over the configuration file (--keep-lmcache-env passes them on)")
 
 
 def _run(out, plan) -> None:
@@ -118,9 +142,10 @@ def _plan_lines(plan: dict) -> list[str]:
     import shlex
 
     lines = []
+    unset = "".join(f"-u {name} " for name in plan["unset_env"])
     for component in plan["components"]:
         env = " ".join(f"{key}={shlex.quote(value)}" for key, value in sorted(component["env"].items()))
-        lines.append(escape(f"# {component['name']} (log: {component['log']})\n{env} \\\n"
+        lines.append(escape(f"# {component['name']} (log: {component['log']})\nenv {unset}{env} \\\n"
                             f"  {shlex.join(component['argv'])}\n"))
     lines.append(escape(f"# configuration: {plan['config_dir']}; state file: {plan['state_file']}"))
     return lines

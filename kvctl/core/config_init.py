@@ -7,9 +7,9 @@ the serving process), a stable instance id, and never the run_script API.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
-import ipaddress
 import re
 import secrets
 import shlex
@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvctl import __version__
+from kvctl.clients.http import TOKEN_VARIABLE
 from kvctl.core import platform
 from kvctl.core.display import PATH_CHARS, shown
 from kvctl.core.errors import KvctlError, UsageError
@@ -34,7 +35,6 @@ from kvctl.core.lmcache_config import (
 )
 from kvctl.core.lmcache_schema import inprocess_keys
 from kvctl.core.tiers import TierSpec
-from kvctl.clients.http import TOKEN_VARIABLE
 
 DEFAULT_CHUNK_SIZE = 256
 DEFAULT_INTERNAL_API_PORT_START = 6999

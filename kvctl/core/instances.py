@@ -37,7 +37,8 @@ class Instance:
     mp_http: str | None = None
     config_dir: str | None = None
     model: str | None = None
-    problem: str | None = None  # why a fleet member could not be found
+    problem: str | None = None
+    coordinator: str | None = None  # the LMCache coordinator kvctl serve started (MP mode)  # why a fleet member could not be found
 
     @property
     def worker(self) -> str | None:
@@ -49,7 +50,8 @@ def from_state(state: dict[str, Any], name: str | None = None) -> Instance:
     endpoints = state.get("endpoints", {})
     return Instance(name or state.get("name", "default"), state.get("mode", "inprocess"),
                     list(endpoints.get("internal_api") or []), endpoints.get("vllm"), endpoints.get("offload_socket"),
-                    endpoints.get("mp_http"), state.get("config_dir"), state.get("model"))
+                    endpoints.get("mp_http"), state.get("config_dir"), state.get("model"),
+                    coordinator=endpoints.get("coordinator"))
 
 
 def worker_url(url: str, rank: int) -> str:

@@ -8,7 +8,9 @@ import json
 import os
 import socket
 import sys
-from dataclasses import asdict, dataclass, field
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field, replace
+from importlib.metadata import PackageNotFoundError, version
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
@@ -40,19 +42,34 @@ from kvctl.core.safe_files import read_text
 from kvctl.core.tiers import TierSpec
 
 DEFAULT_PORT = 8000
+DEFAULT_COORDINATOR_PORT = 9300
 LOOPBACK = "127.0.0.1"
 QUIET_ENV = {"LMCACHE_DISABLE_BANNER": "1", "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1",
              "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 # kvctl's /kvctl/v1 routes on the MP server's HTTP app, through the server's own extension flag.
 MP_ROUTES_ARGV = ["--server-module", json.dumps({"module_path": "kvctl_plugins.mp_routes"})]
+PORT_CHOICES = ("choose other ports: --port, --internal-api-port-start (worker r listens on start + 1 + r), --mp-port, "
+                "--mp-http-port, --coordinator-port, or those in --config's lmcache.yaml")
+HEALTHY = {"status": "healthy"}  # what LMCache's MP server (/healthcheck) and coordinator (/healthz) answer
 
 
 @dataclass
 class Readiness:
-    kind: str  # "http" (GET answers 200) or "path" (a file exists)
+    """Proof that a component is up and is the one kvctl started, not whatever else answers on its port:
+    GET `target` answers 200 with JSON equal to `expect` ("json"), or listing the model `expect` ("models")."""
+
+    kind: str  # "json" or "models"
     target: str
     label: str
+    expect: Any
+
+
+@dataclass
+class PortUse:
+    port: int
+    host: str
+    owner: str  # who binds it, as an error message names it
 
 
 @dataclass
@@ -73,6 +90,8 @@ class LaunchPlan:
     state_file: str
     components: list[Component]
     endpoints: dict[str, Any]
+    ports: list[PortUse] = field(default_factory=list)
+    unset_env: list[str] = field(default_factory=list)  # inherited variables the children do not get
 
     def as_dict(self) -> dict[str, Any]:
         """The plan for printing (`--dry-run`): secrets in command lines and environments replaced by ***."""
@@ -120,13 +139,56 @@ def is_url(instance: str) -> bool:
 
 
 def port_free(port: int, host: str = LOOPBACK) -> bool:
-    with socket.socket() as sock:
+    host = host.strip("[]")
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:
             return False
     return True
+
+
+def url_host(host: str) -> str:
+    """A host as a URL has it: an IPv6 address in brackets."""
+    host = host.strip("[]")
+    return f"[{host}]" if ":" in host else host
+
+
+def reach_host(host: str) -> str:
+    """Where kvctl connects to a server that binds `host`: a wildcard address is reached on loopback."""
+    host = host.strip("[]")
+    return {"0.0.0.0": LOOPBACK, "::": "::1", "": LOOPBACK}.get(host, host)
+
+
+def flag_value(argv: list[str], *names: str) -> str | None:
+    """The value of the last of vLLM's `names` flags in `argv` (`--flag V` or `--flag=V`; vLLM also
+    accepts underscores in flag names), or None."""
+    found = None
+    for index, arg in enumerate(argv):
+        flag, equals, value = arg.partition("=")
+        if flag.replace("_", "-") in names:
+            found = value if equals else (argv[index + 1] if index + 1 < len(argv) else None)
+    return found
+
+
+def world_size(vllm_args: list[str]) -> int:
+    """vLLM's ranks (tensor x pipeline parallel): LMCache gives each its own worker API port."""
+    size = 1
+    for names in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp")):
+        value = flag_value(vllm_args, *names) or "1"
+        if not value.isdigit() or int(value) < 1:
+            raise UsageError(f"{names[0]} {shown(value)} is not a positive number", hint=f"pass {names[0]} N")
+        size *= int(value)
+    return size
+
+
+def lmcache_version() -> str:
+    """The installed LMCache's version, which its servers' /lmc_version answer (no lmcache import)."""
+    try:
+        return version("lmcache")
+    except PackageNotFoundError:
+        return ""
 
 
 def check_model_dir(model: str) -> None:
@@ -152,18 +214,22 @@ def build_plan(*, name: str = "default", model: str | None, mode: str = "inproce
                config: Path | None, host: str = LOOPBACK, port: int = DEFAULT_PORT,
                internal_api_port_start: int = DEFAULT_INTERNAL_API_PORT_START, mp_port: int = DEFAULT_MP_PORT,
                mp_http_port: int = DEFAULT_MP_HTTP_PORT, state_file: Path | None = None,
-               extra_vllm_args: list[str] = (), write: bool = True) -> LaunchPlan:
-    """The plan; with `write`, the generated configuration is written to kvctl's serve directory."""
+               extra_vllm_args: list[str] = (), coordinator: str | None = None, start_coordinator: bool = True,
+               coordinator_port: int = DEFAULT_COORDINATOR_PORT, keep_lmcache_env: bool = False,
+               write: bool = True) -> LaunchPlan:
+    """The plan; with `write`, the generated configuration is written to kvctl's serve directory.
+
+    MP mode starts an LMCache coordinator on loopback (where `kvctl pin` keeps pins) unless `coordinator`
+    names one, the configuration already has one, or `start_coordinator` is off."""
     model = model or str(models_dir() / "tiny")
     base = serve_dir(name)
+    generated = None
     if config is None:
         config = base / "config"
         request = ConfigRequest(mode=mode, tiers=tiers or [TierSpec("cpu"), TierSpec("disk", path=str(base / "disk"))],
                                 internal_api_port_start=internal_api_port_start, mp_port=mp_port,
                                 mp_http_port=mp_http_port, model=model, instance_id=f"kvctl-{name}")
         generated = build_config(request, config)
-        if write:
-            write_files(generated.render(config.absolute()), config, force=True)
         lmcache_values, kv_transfer, env_file = generated.lmcache, generated.kv_transfer, generated.env
     else:
         lmcache_values, kv_transfer = load_mapping(config / CONFIG_FILE), load_mapping(config / KV_TRANSFER_FILE)
@@ -174,42 +240,88 @@ def build_plan(*, name: str = "default", model: str | None, mode: str = "inproce
             raise UsageError(f"{shown(str(config / CONFIG_FILE), PATH_CHARS)} has chunk_size {shown(chunk)}, not a "
                              f"multiple of vLLM's block size {block} on this platform",
                              hint=f"run 'kvctl config validate {shown(str(config), PATH_CHARS)}' and fix it")
+    if coordinator is not None and mode != "mp":
+        raise UsageError("--coordinator is for MP mode: the LMCache coordinator works with 'lmcache server'",
+                         hint="drop --coordinator, or serve with --mode mp")
     logs = base / "logs"
     env = {**QUIET_ENV, "PYTHONHASHSEED": env_file.get("PYTHONHASHSEED", "0")}
-    components = []
-    endpoints: dict[str, Any] = {"openai": f"http://{host}:{port}/v1", "vllm": f"http://{host}:{port}"}
+    components, ports = [], [PortUse(port, host, "vLLM")]
+    vllm_url = f"http://{url_host(host)}:{port}"
+    endpoints: dict[str, Any] = {"openai": f"{vllm_url}/v1", "vllm": vllm_url}
     if mode == "mp":
-        http = f"http://{lmcache_values.get('http_host', LOOPBACK)}:{lmcache_values.get('http_port', mp_http_port)}"
+        lmcache_values = dict(lmcache_values)
+        coordinator = coordinator or lmcache_values.get("coordinator_url")
+        if coordinator is None and start_coordinator:
+            components.append(_coordinator(lmcache_values, coordinator_port, env, logs))
+            ports.append(PortUse(coordinator_port, LOOPBACK, "the LMCache coordinator"))
+            coordinator = f"http://{LOOPBACK}:{coordinator_port}"
+            lmcache_values.setdefault("coordinator_advertise_ip", reach_host(lmcache_values.get("http_host", LOOPBACK)))
+        if coordinator is not None:
+            lmcache_values["coordinator_url"] = endpoints["coordinator"] = coordinator
+        http_host = lmcache_values.get("http_host", LOOPBACK)
+        http_port = int(lmcache_values.get("http_port", mp_http_port))
+        ports += [PortUse(int(lmcache_values.get("port", mp_port)), lmcache_values.get("host", LOOPBACK),
+                          "the MP server's request port"),
+                  PortUse(http_port, http_host, "the MP server's HTTP port")]
         server_argv, credentials = mp_server_launch(lmcache_values)
         components.append(Component("lmcache-server", [sys.executable, "-m", "lmcache.v1.multiprocess.http_server",
                                                        *server_argv, *MP_ROUTES_ARGV],
                                     {**env, **credentials}, str(logs / "lmcache-server.log"),
-                                    [Readiness("http", f"{http}/healthcheck", "LMCache MP server")]))
-        endpoints["mp_http"] = http
+                                    [Readiness("json", f"http://{url_host(reach_host(http_host))}:{http_port}"
+                                                       f"/healthcheck", "the LMCache MP server", HEALTHY)]))
+        endpoints["mp_http"] = f"http://{url_host(http_host)}:{http_port}"
+        lmcache_ready = []
     else:
         env = {**env, "LMCACHE_CONFIG_FILE": str((config / CONFIG_FILE).absolute())}
         start = int(lmcache_values.get("internal_api_server_port_start", internal_api_port_start))
-        endpoints["internal_api"] = [f"http://{LOOPBACK}:{start}", f"http://{LOOPBACK}:{start + 1}"]
+        api_host = lmcache_values.get("internal_api_server_host", LOOPBACK)
+        roles = ["scheduler"] + [f"worker {rank}" for rank in range(world_size(extra_vllm_args))]
+        ports += [PortUse(start + offset, api_host, f"LMCache's {role} API") for offset, role in enumerate(roles)]
+        endpoints["internal_api"] = [f"http://{LOOPBACK}:{start + offset}" for offset in range(len(roles))]
+        lmcache_ready = [Readiness("json", f"{url}/lmc_version", f"LMCache's {role} API", lmcache_version())
+                         for url, role in zip(endpoints["internal_api"], roles)]
+    if generated is not None and write:
+        write_files(replace(generated, lmcache=lmcache_values).render(config.absolute()), config, force=True)
     vllm_env = dict(env)
     if model == str(models_dir() / "tiny"):
         vllm_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # the tiny model needs little KV space
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host.strip("[]"),
             "--port", str(port), "--kv-transfer-config", json.dumps(kv_transfer), *extra_vllm_args]
-    ready = [Readiness("http", f"http://{host}:{port}/health", "vLLM")]
-    if mode == "inprocess":
-        ready.append(Readiness("http", f"{endpoints['internal_api'][1]}/lmc_version", "LMCache worker API"))
+    served = flag_value(extra_vllm_args, "--served-model-name") or model
+    ready = [Readiness("models", f"http://{url_host(reach_host(host))}:{port}/v1/models", "vLLM", served),
+             *lmcache_ready]
     components.append(Component("vllm", argv, vllm_env, str(logs / "vllm.log"), ready))
+    inherited = sorted(name for name in os.environ if name.startswith("LMCACHE_") and name not in QUIET_ENV)
     return LaunchPlan(name, mode, model, str(config.absolute()), str(state_file or default_state_file()),
-                      components, endpoints)
+                      components, endpoints, ports, [] if keep_lmcache_env else inherited)
 
 
-def preflight(plan: LaunchPlan, host: str, ports: list[int]) -> None:
-    """Refuse clearly before starting anything."""
+def _coordinator(server_values: dict[str, Any], port: int, env: dict[str, str], logs: Path) -> Component:
+    """`lmcache coordinator` on loopback (its module entry point, in this environment), hashing prompts as
+    the server does: it computes the chunk keys of what `kvctl pin` sends it."""
+    argv = [sys.executable, "-m", "lmcache.v1.mp_coordinator", "--host", LOOPBACK, "--port", str(port),
+            "--chunk-size", str(server_values.get("chunk_size", 256)),
+            "--hash-algorithm", str(server_values.get("hash_algorithm", "blake3"))]
+    return Component("lmcache-coordinator", argv, dict(env), str(logs / "lmcache-coordinator.log"),
+                     [Readiness("json", f"http://{LOOPBACK}:{port}/healthz", "the LMCache coordinator", HEALTHY)])
+
+
+def preflight(plan: LaunchPlan) -> None:
+    """Refuse clearly before starting anything: ports out of range, taken twice by the plan itself, or
+    already in use; a model directory that is none; vLLM or LMCache missing."""
     check_installed()
-    for port in ports:
-        if not port_free(port, host if host != "0.0.0.0" else LOOPBACK):
-            raise UsageError(f"port {port} is already in use", hint="stop what listens there, or choose other ports "
-                             "(--port, --internal-api-port-start, --mp-port, --mp-http-port)")
+    owners: dict[int, list[str]] = defaultdict(list)
+    for use in plan.ports:
+        if not 0 < use.port < 65536:
+            raise UsageError(f"port {use.port} ({use.owner}) is out of range", hint=PORT_CHOICES)
+        owners[use.port].append(use.owner)
+    clashes = [f"{port} is taken by {' and by '.join(names)}" for port, names in owners.items() if len(names) > 1]
+    if clashes:
+        raise UsageError(f"ports collide in this plan: {'; '.join(clashes)}", hint=PORT_CHOICES)
+    for use in plan.ports:
+        if not port_free(use.port, use.host):
+            raise UsageError(f"port {use.port} ({use.owner}) is already in use",
+                             hint=f"stop what listens there, or {PORT_CHOICES}")
     if plan.model != str(models_dir() / "tiny"):  # the embedded default is built right before launch
         check_model_dir(plan.model)
 
@@ -251,6 +363,8 @@ def read_state(path: Path | None = None, instance: str | None = None) -> dict[st
         if instance:
             raise KvctlError(f"no running instance named {instance!r}",
                              hint=f"start it with 'kvctl serve --name {instance}', or pass --instance URL") from None
-        raise KvctlError(f"no kvctl serve state at {path}", hint="start one with 'kvctl serve', or pass --instance URL") from None
+        raise KvctlError(f"no kvctl serve state at {path}",
+                         hint="start one with 'kvctl serve', or pass --instance URL") from None
     except ValueError:
-        raise KvctlError(f"{path} is not a kvctl state file", hint="pass --state with the file kvctl serve wrote") from None
+        raise KvctlError(f"{path} is not a kvctl state file",
+                         hint="pass --state with the file kvctl serve wrote") from None

@@ -44,15 +44,15 @@ def registered_model(server, model: str | None) -> tuple[str, int]:
     return next(iter(models.items()))
 
 
-def coordinator_url(explicit: str | None, config_dir: str | None) -> str | None:
+def coordinator_url(explicit: str | None, config_dir: str | None, served: str | None = None) -> str | None:
     """Where an MP fleet's pins live (the coordinator receives the prompt's token ids): --coordinator,
-    else the server's own --coordinator-url from its configuration, else the inventory's
-    `coordinator:` (an inventory never overrides what the server itself uses)."""
+    else the server's own --coordinator-url from its configuration, else the one kvctl serve started
+    for it, else the inventory's `coordinator:` (an inventory never overrides what the server uses)."""
     from kvctl.core.instances import inventory_value
     from kvctl.core.target import read_deployment
 
     own = read_deployment(config_dir).values.get("coordinator_url") if config_dir else None
-    return explicit or own or inventory_value("coordinator")
+    return explicit or own or served or inventory_value("coordinator")
 
 
 def coordinator_pins(url: str, model: str | None = None) -> list[dict[str, Any]]:

@@ -25,8 +25,7 @@ from kvctl.core.lmcache_config import (
     read_text,
 )
 from kvctl.core.lmcache_schema import mp_server_flags
-from kvctl.core.tiers import parse_redis_url, RedisURL
-
+from kvctl.core.tiers import RedisURL, parse_redis_url
 
 # What the stored names of each layout look like: file suffix, Redis SCAN pattern, and what LMCache
 # appends to a chunk key to name it in Redis.

@@ -8,9 +8,9 @@ RemoteBackend on a redis URL; other remotes are "remote").
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import time
-import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any

@@ -42,7 +42,8 @@ def test_mp_server_gets_the_redis_password_in_its_environment_not_its_command_li
     from kvctl.core.tiers import parse_tier
 
     tiers = [parse_tier("cpu:1"), parse_tier(f"redis://alice:{PASSWORD}@127.0.0.1:6390")]
-    server = build_plan(model=None, mode="mp", tiers=tiers, config=None, write=False).components[0]
+    server = build_plan(model=None, mode="mp", tiers=tiers, config=None, start_coordinator=False,
+                        write=False).components[0]
     assert server.name == "lmcache-server"
     assert not any(PASSWORD in arg for arg in server.argv)
     adapter = json.loads(server.argv[server.argv.index("--l2-adapter") + 1])
@@ -55,7 +56,7 @@ def test_serve_dry_run_never_prints_the_password(tmp_path):
     as_json = run_cli("serve", "--dry-run", "--mode", "mp", "--tier", "cpu:1", "--tier", tier, "--format", "json",
                       "--", "--api-key", PASSWORD, f"--hf-token={PASSWORD}")
     assert as_json.code == 0, as_json.stderr
-    server, vllm = as_json.json()["components"]
+    _coordinator, server, vllm = as_json.json()["components"]
     assert server["env"]["LMCACHE_RESP_PASSWORD"] == "***"
     assert vllm["argv"][-3:] == ["--api-key", "***", "--hf-token=***"]
     as_table = run_cli("serve", "--dry-run", "--mode", "mp", "--tier", "cpu:1", "--tier", tier, "--format", "table")

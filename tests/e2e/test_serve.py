@@ -1,10 +1,12 @@
 """`kvctl serve` on the embedded default, `kvctl prewarm` and `kvctl lookup` against it, restarts,
-and nothing left running after a stop, a kill of kvctl, or the death of a child."""
+nothing left running after a stop, a kill of kvctl, or the death of a child; readiness on IPv6 loopback
+that no proxy can fake, a start that fails within seconds, and MP pins through the coordinator serve starts."""
 
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sysconfig
 import time
@@ -13,6 +15,7 @@ import httpx
 import pytest
 
 from tests.helpers import KVCTL, free_port, run_kvctl, wait_until
+from tests.integration.test_serve_readiness import proxy_answering_200, started_child
 
 
 def group_alive(pid: int) -> bool:
@@ -26,19 +29,21 @@ def group_alive(pid: int) -> bool:
 class Serve:
     """`kvctl serve` in a child process, with its own kvctl cache directory."""
 
-    def __init__(self, cache, *args):
+    def __init__(self, cache, *args, ready=True):
         self.env = {**os.environ, "KVCTL_CACHE_DIR": str(cache)}
         self.state_file = cache / "serve" / "state.json"
-        self.port, self.api = free_port(), free_port()
+        self.port, self.api, self.mp_http, self.coordinator = free_port(), free_port(), free_port(), free_port()
         cache.mkdir(parents=True, exist_ok=True)
         self.stderr = cache / f"serve-{time.monotonic_ns()}.err"
         argv = [str(KVCTL), "serve", "--port", str(self.port), "--internal-api-port-start", str(self.api),
-                "--mp-port", str(free_port()), "--mp-http-port", str(free_port()), *args]
+                "--mp-port", str(free_port()), "--mp-http-port", str(self.mp_http), "--coordinator-port",
+                str(self.coordinator), *args]
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=self.stderr.open("w"), env=self.env)
-        wait_until(lambda: self.state_file.exists() or self.proc.poll() is not None, 600, "kvctl serve")
-        assert self.proc.poll() is None, self.stderr.read_text()[-3000:]
-        self.state = json.loads(self.state_file.read_text())
-        self.pids = [process["pid"] for process in self.state["processes"]]
+        if ready:
+            wait_until(lambda: self.state_file.exists() or self.proc.poll() is not None, 600, "kvctl serve")
+            assert self.proc.poll() is None, self.stderr.read_text()[-3000:]
+            self.state = json.loads(self.state_file.read_text())
+            self.pids = [process["pid"] for process in self.state["processes"]]
 
     def kvctl(self, *args):
         return run_kvctl(*args, env=self.env)
@@ -113,7 +118,8 @@ def test_serve_prewarm_lookup_restart_stop_inprocess(tmp_path):
     again = Serve(cache)  # same configuration and disk tier: the prompt now hits LMCache from disk
     try:
         body = {"model": again.state["model"], "prompt": prompt.read_text(), "max_tokens": 1}
-        assert httpx.post(f"{again.state['endpoints']['vllm']}/v1/completions", json=body, timeout=120).status_code == 200
+        completion = httpx.post(f"{again.state['endpoints']['vllm']}/v1/completions", json=body, timeout=120)
+        assert completion.status_code == 200
         log = again.state["processes"][0]["log"]
         wait_until(lambda: re.search(r"LMCache hit tokens: [1-9]", open(log).read()), 30, "an LMCache hit")
     finally:
@@ -142,7 +148,8 @@ def test_serve_mp_prewarm_lookup(tmp_path):
     prompt = prompt_file(tmp_path, "json/__init__")
     serve = Serve(cache, "--mode", "mp")
     try:
-        assert [process["name"] for process in serve.state["processes"]] == ["lmcache-server", "vllm"]
+        assert [process["name"] for process in serve.state["processes"]] == ["lmcache-coordinator", "lmcache-server",
+                                                                            "vllm"]
         warmed = serve.kvctl("prewarm", prompt, "--format", "json")
         assert warmed.code == 0, warmed.stderr
         entry = json.loads(warmed.stdout)["prompts"][0]
@@ -166,12 +173,87 @@ def test_serve_mp_prewarm_lookup(tmp_path):
     again = Serve(cache, "--mode", "mp")  # a new server and vLLM: the prompt comes back from the fs L2 tier
     try:
         body = {"model": again.state["model"], "prompt": prompt.read_text(), "max_tokens": 1}
-        assert httpx.post(f"{again.state['endpoints']['vllm']}/v1/completions", json=body, timeout=120).status_code == 200
-        server_log = again.state["processes"][0]["log"]
-        wait_until(lambda: re.search(r"Retrieved [1-9]\d* tokens", open(server_log).read()
-                                     + open(again.state["processes"][1]["log"]).read()), 30, "a retrieve from LMCache")
+        completion = httpx.post(f"{again.state['endpoints']['vllm']}/v1/completions", json=body, timeout=120)
+        assert completion.status_code == 200
+        logs = {process["name"]: process["log"] for process in again.state["processes"]}
+        wait_until(lambda: re.search(r"Retrieved [1-9]\d* tokens", open(logs["lmcache-server"]).read()
+                                     + open(logs["vllm"]).read()), 30, "a retrieve from LMCache")
         assert again.stop() == 0
     finally:
         if again.proc.poll() is None:
             again.stop()
     again.assert_nothing_left()
+
+
+@pytest.mark.slow
+def test_serve_on_ipv6_loopback_is_ready_when_vllm_is_not_when_a_proxy_says_so(tmp_path, monkeypatch):
+    with proxy_answering_200(monkeypatch) as proxied:
+        serve = Serve(tmp_path / "kvctl-cache", "--host", "::1")
+    try:
+        vllm = f"http://[::1]:{serve.port}"
+        assert serve.state["endpoints"]["vllm"] == vllm
+        models = httpx.get(f"{vllm}/v1/models", timeout=10, trust_env=False).json()["data"]
+        assert [model["id"] for model in models] == [serve.state["model"]]
+        assert "waiting for vLLM, LMCache's scheduler API, LMCache's worker 0 API" in serve.stderr.read_text()
+        assert serve.stop() == 0
+    finally:
+        if serve.proc.poll() is None:
+            serve.stop()
+    assert proxied == []  # the proxy answering 200 to everything was never asked
+    serve.assert_nothing_left()
+
+
+@pytest.mark.slow
+def test_serve_reports_a_worker_api_that_cannot_bind_within_seconds(tmp_path):
+    serve = Serve(tmp_path / "kvctl-cache", ready=False)
+    log = tmp_path / "kvctl-cache" / "serve" / "default" / "logs" / "vllm.log"
+    try:
+        vllm = wait_until(lambda: started_child(serve.proc.pid, "vllm.entrypoints"), 60, "vLLM started")
+        with socket.socket() as taken:  # after the preflight, before LMCache's worker 0 binds it
+            taken.bind(("127.0.0.1", serve.api + 1))
+            taken.listen()
+            wait_until(lambda: "address already in use" in log.read_text(), 300, "LMCache's bind error")
+            seen = time.monotonic()
+            serve.proc.wait(60)
+        took = time.monotonic() - seen
+    finally:
+        if serve.proc.poll() is None:
+            serve.stop()
+    stderr = serve.stderr.read_text()
+    assert serve.proc.returncode == 1 and took < 15, (took, stderr)
+    assert re.search(r"error: vllm failed while starting: ERROR: +\[Errno 98\] .*address already in use", stderr)
+    assert "its last log lines:" in stderr and "hint: the whole log is" in stderr and "Traceback" not in stderr.split(
+        "error:")[0]
+    wait_until(lambda: not group_alive(vllm), 30, "vLLM stopped")
+
+
+@pytest.mark.slow
+def test_serve_mp_starts_a_coordinator_that_pins_go_through(tmp_path):
+    serve = Serve(tmp_path / "kvctl-cache", "--mode", "mp")
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps([(7 * i) % 1000 + 3 for i in range(2 * 256)]))
+    try:
+        assert [process["name"] for process in serve.state["processes"]] == ["lmcache-coordinator", "lmcache-server",
+                                                                            "vllm"]
+        coordinator = serve.state["endpoints"]["coordinator"]
+        assert coordinator == f"http://127.0.0.1:{serve.coordinator}"
+        registered = httpx.get(f"{coordinator}/instances", timeout=10, trust_env=False).json()["instances"]
+        assert [(server["ip"], server["http_port"]) for server in registered] == [("127.0.0.1", serve.mp_http)]
+
+        pinned = serve.kvctl("pin", "--tokens-file", tokens, "--format", "json")  # no --coordinator: serve's
+        assert pinned.code == 0, pinned.stderr
+        assert json.loads(pinned.stdout) == {"model": serve.state["model"], "requested": 2, "affected": 2,
+                                             "status": "pinned"}
+        pins = json.loads(serve.kvctl("pins", "--format", "json").stdout)["pins"]
+        assert len(pins) == 2 and all(pin["pin_count"] == 1 and pin["key"].startswith(serve.state["model"] + "@")
+                                      for pin in pins)
+        unpinned = serve.kvctl("unpin", "--tokens-file", tokens, "--format", "json")
+        assert unpinned.code == 0 and json.loads(unpinned.stdout)["status"] == "unpinned", unpinned.stderr
+        assert json.loads(serve.kvctl("pins", "--format", "json").stdout) == {"pins": []}
+        assert serve.stop() == 0
+    finally:
+        if serve.proc.poll() is None:
+            serve.stop()
+    stopping = [line for line in serve.stderr.read_text().splitlines() if line.startswith("stopping ")]
+    assert stopping == ["stopping vllm", "stopping lmcache-server", "stopping lmcache-coordinator"]
+    serve.assert_nothing_left()

@@ -27,9 +27,8 @@ def test_the_isa_vllm_picks_is_tested_here():
                                             for dtype in (torch.bfloat16, torch.float32)
                                             if isa != "amx" or dtype == torch.bfloat16])  # AMX: bf16 caches only
 def test_store_and_retrieve_round_trip_through_vllms_cpu_layout(dtype, isa):
-    from vllm import _custom_ops as ops
-
     from kvctl_plugins.cpu_connector import VLLMCPUPagedConnector
+    from vllm import _custom_ops as ops
 
     layers, heads, head_size, block_size, blocks, tokens = 2, 2, 32, 128, 6, 300
     generator = torch.Generator().manual_seed(0)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO, STACK_ENV, run_kvctl
+from tests.helpers import STACK_ENV, run_kvctl
 
 
 def load_with_lmcache(path, env=None):

@@ -27,7 +27,8 @@ def test_mp_server_reaches_a_password_protected_redis_without_the_password_on_it
     init = run_cli("config", "init", "--mode", "mp", "--out", tmp_path / "cfg", "--tier", "cpu:0.05", "--tier",
                    redis.url, "--mp-port", port, "--mp-http-port", http_port)
     assert init.code == 0, init.stderr
-    server = build_plan(model=None, mode="mp", tiers=[], config=tmp_path / "cfg", write=False).components[0]
+    server = build_plan(model=None, mode="mp", tiers=[], config=tmp_path / "cfg", start_coordinator=False,
+                        write=False).components[0]
     log = tmp_path / "server.log"
     proc = start_process(server.argv, log, env=server.env)
     try:

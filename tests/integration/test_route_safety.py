@@ -8,7 +8,6 @@ import time
 import httpx
 import pytest
 
-from kvctl.clients.internal_api import InternalAPIClient
 from kvctl.clients.mp_server import MPServerClient
 from kvctl.core.errors import RejectedError
 from kvctl.core.keys import disk_file_name
