@@ -2,13 +2,16 @@
 PY := .venv/bin/python
 KVCTL := .venv/bin/kvctl
 
-.PHONY: setup test run bench completions schema
+.PHONY: setup test lint run bench completions schema
 
 setup:
 	@./scripts/setup
 
-test: setup
+test: setup lint
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(PY) -m ruff check .
 
 run: setup
 	@./scripts/main-job

@@ -82,7 +82,8 @@ def main() -> None:
     static_ms = bash_completion_ms()
     print(f"framework floor (2-command Typer app --help): {floor * 1000:.0f} ms")
     print(f"kvctl --help: {kvctl_help * 1000:.0f} ms = {kvctl_help / floor:.2f}x the floor (goal <= 1.25x)")
-    print(f"lmcache --help: {lmcache_help * 1000:.0f} ms = {lmcache_help / kvctl_help:.1f}x slower than kvctl (goal >= 10x)")
+    print(f"lmcache --help: {lmcache_help * 1000:.0f} ms = {lmcache_help / kvctl_help:.1f}x slower than kvctl "
+          "(goal >= 10x)")
     print(f"bash static completion 'kvctl con<TAB>': {static_ms:.2f} ms (goal < 20 ms)")
     print(f"dynamic completion call: {dynamic * 1000:.0f} ms = {dynamic / floor:.2f}x the floor (goal <= 1.25x)")
     print(f"help_vs_floor={kvctl_help / floor:.2f}x lmcache_vs_kvctl={lmcache_help / kvctl_help:.1f}x "

@@ -56,7 +56,8 @@ def main() -> None:
         port = free_port()
         log = root / "vllm.log"
         proc = start_vllm(model, log, port, ["--max-model-len", "4096", "--no-enable-prefix-caching",
-                                             "--kv-transfer-config", (root / "cfg" / "kv-transfer-config.json").read_text()],
+                                             "--kv-transfer-config",
+                                             (root / "cfg" / "kv-transfer-config.json").read_text()],
                           env={"LMCACHE_CONFIG_FILE": str(root / "cfg" / "lmcache.yaml")})
         url = f"http://127.0.0.1:{port}"
         try:

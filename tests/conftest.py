@@ -25,7 +25,8 @@ class RedisServer:
 
 
 def redis_binary() -> str:
-    found = shutil.which("redis-server") or (str(VENV_BIN / "redis-server") if (VENV_BIN / "redis-server").exists() else None)
+    found = shutil.which("redis-server") or (str(VENV_BIN / "redis-server") if (VENV_BIN / "redis-server").exists()
+                                             else None)
     assert found, "redis-server is missing: run scripts/setup"
     return found
 

@@ -93,8 +93,8 @@ def wait_until(check, timeout: float, what: str, proc: subprocess.Popen | None =
 
 def start_process(argv: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
     handle = log.open("w")
-    return subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, **STACK_ENV, **(env or {})},
-                            start_new_session=True)
+    return subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT,
+                            env={**os.environ, **STACK_ENV, **(env or {})}, start_new_session=True)
 
 
 def stop_process(proc: subprocess.Popen, grace: float = 10) -> None:
@@ -138,9 +138,10 @@ def start_standalone_engine(config_dir: Path, log: Path, chunk: int = 256, model
                             worker_id: int = 0, env: dict | None = None) -> subprocess.Popen:
     """LMCache's standalone engine (real LMCacheEngine, MockGPUConnector) with kvctl's plugins loaded; one
     rank of a tensor-parallel engine when `world_size` > 1 (its API on port_start + 1 + worker_id)."""
-    return start_process([sys.executable, "-m", "kvctl_plugins.standalone", "--config", str(config_dir / "lmcache.yaml"),
-                          "--model-name", model, "--kv-shape", f"2,2,{chunk},2,32", "--kvcache-shape-spec",
-                          "(4096,2,32):float16:2", "--kv-dtype", "float16", "--world-size", str(world_size),
+    return start_process([sys.executable, "-m", "kvctl_plugins.standalone",
+                          "--config", str(config_dir / "lmcache.yaml"), "--model-name", model,
+                          "--kv-shape", f"2,2,{chunk},2,32", "--kvcache-shape-spec", "(4096,2,32):float16:2",
+                          "--kv-dtype", "float16", "--world-size", str(world_size),
                           "--worker-id", str(worker_id)], log, env)
 
 

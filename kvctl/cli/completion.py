@@ -93,7 +93,8 @@ def install_script(shell: str) -> Path:
         target, rc_file = home / ".zfunc/_kvctl", home / ".zshrc"
         rc_line = "fpath+=~/.zfunc; autoload -Uz compinit && compinit"
     else:
-        target, rc_file, rc_line = home / ".bash_completions/kvctl.sh", home / ".bashrc", "source ~/.bash_completions/kvctl.sh"
+        target, rc_file = home / ".bash_completions/kvctl.sh", home / ".bashrc"
+        rc_line = "source ~/.bash_completions/kvctl.sh"
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(render(shell))
     if rc_file is not None:

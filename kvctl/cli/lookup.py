@@ -57,7 +57,8 @@ def load_tokens(prompt_file: str | None, chat: str | None, tokens_file: str | No
         raise UsageError("tokenizing a prompt needs the model's tokenizer",
                          hint="pass --model with a local model directory, or --tokens-file")
     tokenizer = tokens.LocalTokenizer(model_dir)
-    return tokenizer.encode_chat(tokens.read_chat(chat)) if chat else tokenizer.encode_prompt(tokens.read_text(prompt_file))
+    return (tokenizer.encode_chat(tokens.read_chat(chat)) if chat
+            else tokenizer.encode_prompt(tokens.read_text(prompt_file)))
 
 
 def resolve(config: Path | None, model: str | None, kv_dtype: str | None, world_size: int, hash_seed: str | None):
@@ -102,7 +103,8 @@ def lookup(
     world_size: WorldSize = 1, hash_seed: HashSeed = None, vllm_url: VllmOption = None,
     instance: Annotated[str | None, typer.Option("--instance", help="A running engine: a 'kvctl serve --name' or "
                                                  "inventory name, 'all' (every inventory instance), or the internal "
-                                                 "API URL of worker 0 (http://127.0.0.1:7000, unix:/path_7000).")] = None,
+                                                 "API URL of worker 0 (http://127.0.0.1:7000, "
+                                                 "unix:/path_7000).")] = None,
     offline: Annotated[bool, typer.Option("--offline", help="Read the disk and Redis tiers directly, no server "
                                           "(needs --config).")] = False,
     state: Annotated[Path | None, typer.Option("--state", help="The state file of a 'kvctl serve' (default: the "
@@ -148,7 +150,8 @@ def _lookup_fleet(out, state, inventory, timeout, prompt_file, chat, tokens_file
     outcomes = fleet.fan_out(fleet.resolve("all", state, inventory), lookup_one, timeout)
     reports, code = fleet.fleet_reports(outcomes, lambda result: result.as_dict())
     out.emit({"instances": reports}, [item for outcome in outcomes if outcome.error is None
-                                      for item in [f"[bold]{escape(outcome.instance)}[/]", *render_lookup(outcome.result)]])
+                                      for item in [f"[bold]{escape(outcome.instance)}[/]",
+                                                   *render_lookup(outcome.result)]])
     report_errors(out, reports)
     raise typer.Exit(code)
 

@@ -43,7 +43,8 @@ class MPServerClient(HTTPClient):
 
     def delete_objects(self, keys: list[dict[str, Any]], tier: str = "all", force: bool = False,
                        adapter: str | None = None) -> dict[str, Any]:
-        return self.request("DELETE", "/cache/objects", {"keys": keys, "tier": tier, "force": force, "adapter": adapter})
+        return self.request("DELETE", "/cache/objects",
+                            {"keys": keys, "tier": tier, "force": force, "adapter": adapter})
 
     def clear(self, force: bool = False) -> dict[str, Any]:
         """Empties L1 (the only tier /cache/clear takes); force also drops locked objects."""

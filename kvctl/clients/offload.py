@@ -21,7 +21,8 @@ DEFAULT_RPC_PORT = 100
 TIMEOUT_S = 5.0
 
 
-def offload_socket_path(engine_id: str, rank: int = 0, rpc_port: int | None = None, base_path: str | None = None) -> str:
+def offload_socket_path(engine_id: str, rank: int = 0, rpc_port: int | None = None,
+                        base_path: str | None = None) -> str:
     """The ipc path LMCache's ZMQOffloadServer binds, derived exactly as LMCache does.
 
     engine_id is vLLM's kv_transfer_config.engine_id ("default" when unset; GET /meta on a worker
@@ -53,7 +54,8 @@ def validate_offload(hashes: list[int], slot_mapping: list[int], offsets: list[i
     ints(slot_mapping, "slot_mapping", 0, 2**63 - 1)
     ints(offsets, "offsets", 1, 2**31 - 1)
     if len(hashes) != len(offsets):
-        raise UsageError(f"{len(hashes)} hashes but {len(offsets)} offsets", hint="give one offset (token count) per hash")
+        raise UsageError(f"{len(hashes)} hashes but {len(offsets)} offsets",
+                         hint="give one offset (token count) per hash")
     if sum(offsets) != len(slot_mapping):
         raise UsageError(f"the offsets cover {sum(offsets)} tokens but slot_mapping has {len(slot_mapping)}",
                          hint="give one KV slot per token")

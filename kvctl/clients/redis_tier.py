@@ -344,7 +344,9 @@ def _map_redis_error(error: Exception):
     import redis
 
     if isinstance(error, redis.AuthenticationError | redis.exceptions.NoPermissionError):
-        return RejectedError(f"Redis refused the credentials: {error}", hint="check the user and password in the Redis URL")
+        return RejectedError(f"Redis refused the credentials: {error}",
+                             hint="check the user and password in the Redis URL")
     if isinstance(error, redis.ConnectionError | redis.TimeoutError):
-        return UnreachableError(f"cannot reach Redis: {error}", hint="check that redis-server runs and the URL is right")
+        return UnreachableError(f"cannot reach Redis: {error}",
+                                hint="check that redis-server runs and the URL is right")
     return ServerError(f"Redis error: {error}", hint="check the server's log")

@@ -23,7 +23,8 @@ class VLLMClient(HTTPClient):
             raise UnreachableError(f"cannot reach vLLM at {self.url}: {error}",
                                    hint="check that vLLM runs and the URL (host:port of its OpenAI server)") from None
         if 400 <= response.status_code < 500:
-            raise RejectedError(f"vLLM rejected {path}: {_error_message(response)}", hint="check the model name and input")
+            raise RejectedError(f"vLLM rejected {path}: {_error_message(response)}",
+                                hint="check the model name and input")
         if response.status_code >= 500:
             raise ServerError(f"vLLM failed {path} (HTTP {response.status_code})", hint="check vLLM's log")
         return response.json() if response.content else None

@@ -61,7 +61,8 @@ def render_bash(commands: list[CommandSpec]) -> str:
                 continue
             for name in option.names:
                 value_cases.append(f'            "{command.path}|{name}") {_bash_value_action(option)} ;;')
-        option_cases.append(f'            "{command.path}") words="{_words(n for o in command.options for n in o.names)}" ;;')
+        option_cases.append(f'            "{command.path}") '
+                            f'words="{_words(n for o in command.options for n in o.names)}" ;;')
         if command.subcommands:
             sub_cases.append(f'            "{command.path}") words="{_words(command.subcommands)}" ;;')
         elif command.argument:
@@ -140,8 +141,10 @@ def render_zsh(commands: list[CommandSpec]) -> str:
                            for option in command.options for name in option.names)
         option_cases.append(f'            "{command.path}") items=({entries}) ;;')
         if command.subcommands:
-            entries = " ".join(f"'{_zsh_escape(name)}:{_zsh_escape(text)}'" for name, text in command.subcommands.items())
-            sub_cases.append(f'            "{command.path}") items=({entries}); _describe -t commands "kvctl command" items; return ;;')
+            entries = " ".join(f"'{_zsh_escape(name)}:{_zsh_escape(text)}'"
+                               for name, text in command.subcommands.items())
+            sub_cases.append(f'            "{command.path}") items=({entries}); '
+                             '_describe -t commands "kvctl command" items; return ;;')
         elif command.argument:
             sub_cases.append(f'            "{command.path}") {_zsh_value_action(command.argument)} ;;')
     nl = "\n"
@@ -207,7 +210,9 @@ def render_fish(commands: list[CommandSpec]) -> str:
     for command in commands:
         for name in command.subcommands:
             child = f"{command.path} {name}".strip()
-            transitions.append(f"            case '{command.path}|{name}'\n                set kv_path '{child}'\n                continue")
+            transitions.append(f"            case '{command.path}|{name}'\n"
+                               f"                set kv_path '{child}'\n"
+                               "                continue")
         takes = [name for option in command.options if option.takes_value for name in option.names]
         if takes:
             valued.append(f"            case '{command.path}'\n                set valued {_words(takes)}")

@@ -133,7 +133,8 @@ def _build_inprocess(request: ConfigRequest, tiers: list[TierSpec], instance_id:
     values["local_cpu"] = True
     values["max_local_cpu_size"] = _sized(cpu) if cpu else 0.5
     if disks:
-        values["local_disk"] = ",".join("file://" + str(Path(tier.path).expanduser().absolute()) + "/" for tier in disks)
+        values["local_disk"] = ",".join("file://" + str(Path(tier.path).expanduser().absolute()) + "/"
+                                        for tier in disks)
         values["max_local_disk_size"] = _sized(disks[0])
     if redis:
         values["remote_url"] = redis.redis.url()
@@ -229,7 +230,8 @@ def _resp_adapter(tier: TierSpec) -> dict[str, Any]:
     if url.scheme != "redis" or len(url.hosts) != 1 or url.db:
         raise UsageError(
             f"the MP server's Redis adapter (resp) takes one plain redis://host:port, not {url.url(redact=True)}",
-            hint="use redis://[user:pass@]host:port in --mode mp, or --mode inprocess for TLS, sentinel, cluster or a db",
+            hint="use redis://[user:pass@]host:port in --mode mp, or --mode inprocess for TLS, sentinel, cluster "
+            "or a db",
         )
     adapter: dict[str, Any] = {"type": "resp", "host": url.hosts[0][0], "port": url.hosts[0][1]}
     if url.username:

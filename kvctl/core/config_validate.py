@@ -100,7 +100,8 @@ def validate(target: str | os.PathLike, mode: str | None = None, block_size: int
         _check_env(env_file, f"{shown(files.env_path.name)}:", collector, from_file=True)
         if mode == "inprocess" and "PYTHONHASHSEED" not in env_file:
             collector.warning("PYTHONHASHSEED", f"{shown(files.env_path.name)} does not set PYTHONHASHSEED",
-                              hint="without a fixed seed vLLM's NONE_HASH differs per process and chunk keys never match")
+                              hint="without a fixed seed vLLM's NONE_HASH differs per process and chunk keys never "
+                              "match")
     _check_env(dict(os.environ if environ is None else environ), "env:", collector, from_file=False)
     report = Report(str(Path(target)), mode, collector.findings)
     if use_lmcache and files.yaml_path is not None and yaml_values is not None:
@@ -147,7 +148,8 @@ def _load_kv_transfer(files: ConfigFiles, collector: _Collector) -> dict[str, An
                         hint="it is the value of vLLM's --kv-transfer-config; regenerate it with 'kvctl config init'")
         return None
     if not isinstance(data, dict):
-        collector.error(None, f"{name} must be a JSON object", hint='e.g. {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}')
+        collector.error(None, f"{name} must be a JSON object",
+                        hint='e.g. {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}')
         return None
     return data
 
@@ -191,10 +193,12 @@ def _check_inprocess_values(values: dict[str, Any], block: int, collector: _Coll
     chunk = get("chunk_size")
     if not isinstance(chunk, int) or chunk <= 0 or chunk % block:
         collector.error("chunk_size", f"chunk_size {chunk} is not a positive multiple of vLLM's block size {block}",
-                        hint=f"use a multiple of {block} (vLLM rejects the connector otherwise), e.g. {max(block, 256 // block * block)}")
+                        hint=f"use a multiple of {block} (vLLM rejects the connector otherwise), "
+                        f"e.g. {max(block, 256 // block * block)}")
     if get("local_disk") and not get("max_local_disk_size"):
         collector.error("max_local_disk_size", "local_disk is set but max_local_disk_size is 0: "
-                        "LMCache silently creates no disk tier", hint="set max_local_disk_size to the disk budget in GB")
+                        "LMCache silently creates no disk tier",
+                        hint="set max_local_disk_size to the disk budget in GB")
     if get("max_local_disk_size") and not get("local_disk"):
         collector.warning("local_disk", "max_local_disk_size is set but local_disk is not: there is no disk tier",
                           hint="set local_disk to a directory, e.g. file:///var/cache/lmcache/")
@@ -203,7 +207,8 @@ def _check_inprocess_values(values: dict[str, Any], block: int, collector: _Coll
                         "through, has no room", hint="give the CPU tier a size in GB, e.g. 0.5")
     if get("local_cpu") and get("max_local_cpu_size") > platform.available_memory_gb():
         collector.error("max_local_cpu_size", f"max_local_cpu_size {get('max_local_cpu_size')} GB is more than the "
-                        f"{platform.available_memory_gb():.1f} GB of free memory", hint="lower it, e.g. to a fifth of the free memory")
+                        f"{platform.available_memory_gb():.1f} GB of free memory",
+                        hint="lower it, e.g. to a fifth of the free memory")
     if get("local_disk") and get("max_local_disk_size"):
         for path in str(get("local_disk")).split(","):
             path = path.strip().removeprefix("file://")
@@ -235,7 +240,8 @@ def _check_inprocess_values(values: dict[str, Any], block: int, collector: _Coll
     host = get("internal_api_server_host")
     if get("internal_api_server_enabled") and not _is_loopback(host):
         collector.warning("internal_api_server_host", f"the internal API server binds {shown(host)}, beyond this "
-                          "machine: LMCache's own routes have no authentication (kvctl's answer only KVCTL_ROUTES_TOKEN)",
+                          "machine: LMCache's own routes have no authentication (kvctl's answer only "
+                          "KVCTL_ROUTES_TOKEN)",
                           hint="bind 127.0.0.1 (the default)")
     if not get("internal_api_server_enabled") and source == "file":
         collector.warning("internal_api_server_enabled", "the internal API server is off: kvctl can only inspect "
@@ -243,10 +249,12 @@ def _check_inprocess_values(values: dict[str, Any], block: int, collector: _Coll
     if get("pre_caching_hash_algorithm") not in HASH_ALGORITHMS:
         collector.error("pre_caching_hash_algorithm", f"unknown hash algorithm "
                         f"{shown(get('pre_caching_hash_algorithm'), quoted=True)}: "
-                        "LMCache falls back to Python's hash()", hint="use sha256_cbor (or builtin with a fixed PYTHONHASHSEED)")
+                        "LMCache falls back to Python's hash()",
+                        hint="use sha256_cbor (or builtin with a fixed PYTHONHASHSEED)")
     elif "pre_caching_hash_algorithm" not in values and source == "file":
         collector.warning("pre_caching_hash_algorithm", "no explicit pre_caching_hash_algorithm: chunk keys use "
-                          "Python's hash() and depend on PYTHONHASHSEED", hint="set pre_caching_hash_algorithm: sha256_cbor")
+                          "Python's hash() and depend on PYTHONHASHSEED",
+                          hint="set pre_caching_hash_algorithm: sha256_cbor")
     if "lmcache_instance_id" not in values and source == "file":
         collector.warning("lmcache_instance_id", "no lmcache_instance_id: LMCache picks a random one at every start",
                           hint="set a stable lmcache_instance_id")
@@ -321,9 +329,11 @@ def _check_mp_yaml(values: dict[str, Any], block: int, collector: _Collector) ->
         collector.error("l2_adapter", error.message, hint=error.hint)
     for adapter in values.get("l2_adapter") or []:
         if isinstance(adapter, dict) and adapter.get("type") == "resp" and not isinstance(adapter.get("port"), int):
-            collector.error("l2_adapter", "resp L2 adapter needs host and an integer port", hint="e.g. {type: resp, host: 127.0.0.1, port: 6379}")
+            collector.error("l2_adapter", "resp L2 adapter needs host and an integer port",
+                            hint="e.g. {type: resp, host: 127.0.0.1, port: 6379}")
         if isinstance(adapter, dict) and adapter.get("type") == "fs" and not adapter.get("base_path"):
-            collector.error("l2_adapter", "fs L2 adapter needs base_path", hint="e.g. {type: fs, base_path: /var/cache/lmcache}")
+            collector.error("l2_adapter", "fs L2 adapter needs base_path",
+                            hint="e.g. {type: fs, base_path: /var/cache/lmcache}")
 
 
 def _mp_value_problem(spec: dict[str, Any], value: Any) -> str | None:
@@ -369,10 +379,12 @@ def _check_kv_transfer(config: dict[str, Any], mode: str, yaml_values: dict[str,
         label = shown(name)
         if name.startswith("lmcache.mp."):
             if mode != "mp":
-                collector.error(label, f"{label} only applies to {MP_CONNECTOR}", hint="remove it or switch to --mode mp")
+                collector.error(label, f"{label} only applies to {MP_CONNECTOR}",
+                                hint="remove it or switch to --mode mp")
             elif name not in mp_connector_keys():
                 collector.error(label, f"unknown MP connector key {label}",
-                                hint=did_you_mean(name, mp_connector_keys()) or "see the lmcache.mp.* keys in LMCache's docs")
+                                hint=(did_you_mean(name, mp_connector_keys())
+                                      or "see the lmcache.mp.* keys in LMCache's docs"))
         elif name.startswith("lmcache."):
             key = name[len("lmcache."):]
             if key not in schema["keys"]:
@@ -404,7 +416,8 @@ def _check_env(variables: dict[str, str], where: str, collector: _Collector, fro
     for name, text in variables.items():
         label = shown(name)  # names in a shell's environment may hold anything but "=" and NUL
         if name.startswith("LM_CACHE_"):
-            collector.error(f"{where}{label}", f"{label} is ignored: LMCache reads LMCACHE_* (no underscore in LMCACHE)",
+            collector.error(f"{where}{label}",
+                            f"{label} is ignored: LMCache reads LMCACHE_* (no underscore in LMCACHE)",
                             hint=f"rename it to LMCACHE_{label[len('LM_CACHE_'):]}")
         elif not name.startswith("LMCACHE_") or name in known:
             continue
@@ -417,7 +430,8 @@ def _check_env(variables: dict[str, str], where: str, collector: _Collector, fro
             try:
                 convert_value(key, env_value(text))
             except ConversionError as error:
-                collector.error(f"{where}{name}", f"{name}: {error}", hint=f"{key} takes a {_type_text(schema['inprocess']['keys'][key])}")
+                collector.error(f"{where}{name}", f"{name}: {error}",
+                                hint=f"{key} takes a {_type_text(schema['inprocess']['keys'][key])}")
             if not from_file:
                 collector.warning(f"{where}{name}", f"{name} is set in this shell and overrides {key} from the file",
                                   hint=f"unset {name} unless you mean it")

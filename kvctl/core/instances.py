@@ -37,8 +37,8 @@ class Instance:
     mp_http: str | None = None
     config_dir: str | None = None
     model: str | None = None
-    problem: str | None = None
-    coordinator: str | None = None  # the LMCache coordinator kvctl serve started (MP mode)  # why a fleet member could not be found
+    problem: str | None = None  # why a fleet member could not be found
+    coordinator: str | None = None  # the LMCache coordinator kvctl serve started (MP mode)
 
     @property
     def worker(self) -> str | None:
@@ -66,7 +66,9 @@ def from_url(url: str) -> Instance:
     return Instance(url, internal_api=[url])
 
 
-announce_inventory: Callable[[Path], None] = lambda _path: None  # the CLI says it on stderr
+def announce_inventory(path: Path) -> None:
+    """Say which inventory is in use; the CLI replaces this with a line on stderr."""
+
 _announced: set[Path] = set()
 
 
@@ -109,7 +111,8 @@ def _from_inventory(name: str, entry: Any, path: Path) -> Instance:
     from kvctl.core.launch import read_state
 
     if not isinstance(entry, dict):
-        raise KvctlError(f"instance {name!r} in {path} is not a mapping", hint="give it state: FILE or internal_api: URL")
+        raise KvctlError(f"instance {name!r} in {path} is not a mapping",
+                         hint="give it state: FILE or internal_api: URL")
     if "state" in entry:
         return from_state(read_state(Path(entry["state"]).expanduser()), name)
     if "internal_api" in entry:
@@ -165,7 +168,8 @@ def identify(instance: Instance) -> Instance:
             engine = server.info().get("engine")
         except KvctlError:
             return instance  # whoever reports on it says what is wrong
-    return replace(instance, mode="mp", internal_api=[], mp_http=instance.internal_api[0]) if engine == "mp" else instance
+    return (replace(instance, mode="mp", internal_api=[], mp_http=instance.internal_api[0]) if engine == "mp"
+            else instance)
 
 
 def inventory_value(name: str, inventory: Path | None = None) -> Any:

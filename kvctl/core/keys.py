@@ -244,7 +244,8 @@ MP_BUILTIN_UNREPRODUCIBLE = (
 def mp_chunk_hashes(tokens: Sequence[int], recipe: MPKeyRecipe) -> list[bytes]:
     """TokenHasher.compute_chunk_hashes: complete chunks only, raw hash values as bytes."""
     if recipe.hash_algorithm == "builtin":
-        raise UnreproducibleKeys(MP_BUILTIN_UNREPRODUCIBLE, hint="run the server with --hash-algorithm blake3 (the default)")
+        raise UnreproducibleKeys(MP_BUILTIN_UNREPRODUCIBLE,
+                                 hint="run the server with --hash-algorithm blake3 (the default)")
     hash_function = _mp_hash_function(recipe.hash_algorithm)
     if recipe.hash_algorithm == "blake3":
         prefix = hash_function((0, (0,), None))
@@ -290,7 +291,8 @@ class ObjectKey:
 def mp_object_keys(tokens: Sequence[int], recipe: MPKeyRecipe) -> list[list[ObjectKey]]:
     """Per chunk, one ObjectKey per rank (token-addressed APIs use local = global rank)."""
     ranks = [kv_rank(recipe.world_size, rank) for rank in range(recipe.world_size)]
-    return [[ObjectKey(chunk_hash, recipe.model_name, rank, recipe.object_group_id, recipe.cache_salt) for rank in ranks]
+    return [[ObjectKey(chunk_hash, recipe.model_name, rank, recipe.object_group_id, recipe.cache_salt)
+             for rank in ranks]
             for chunk_hash in mp_chunk_hashes(tokens, recipe)]
 
 

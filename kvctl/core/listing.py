@@ -49,7 +49,8 @@ def _of_model(parsed, model: str | None, mangled: bool = False) -> bool:
     """Whether a parsed chunk key (None: not a chunk key) belongs to `model`, the whole model field
     ('llama@v2' is not 'llama'). LocalDiskBackend's file names carry the model with '/' replaced by
     '-' (`mangled`), so there 'org/m' and a model named 'org-m' cannot be told apart."""
-    return parsed is not None and (model is None or parsed.model_name == (model.replace("/", "-") if mangled else model))
+    return parsed is not None and (model is None
+                                   or parsed.model_name == (model.replace("/", "-") if mangled else model))
 
 
 def from_engine(worker, tier: str, limit: int, model: str | None = None) -> TierListing:
@@ -259,10 +260,10 @@ def execute_plan(plan: dict[str, Any], evict_keys) -> dict[str, Any]:
     for tier, keys in by_tier.items():
         answer = evict_keys(tier, keys)
         result["removed"][tier] = answer["removed"].get(tier, 0)
-        for field in kept:
-            if field in answer:
-                result[field] = {**result.get(field, {}), tier: result.get(field, {}).get(tier, 0)
-                                 + answer[field].get(tier, 0)}
+        for counts in kept:
+            if counts in answer:
+                result[counts] = {**result.get(counts, {}), tier: result.get(counts, {}).get(tier, 0)
+                                  + answer[counts].get(tier, 0)}
         result["chunks"].extend(answer["chunks"])
     return result
 

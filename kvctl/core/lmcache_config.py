@@ -81,7 +81,8 @@ def convert_value(key: str, value: Any) -> Any:
     if kind in ("int", "float"):
         number = _to_number(value, int if kind == "int" else float)
         if kind == "float" and "size" in key and not (math.isfinite(number) and number >= 0):
-            raise ConversionError(f"{shown(value, quoted=True)} is not a size: sizes are finite numbers of GB, 0 or more")
+            raise ConversionError(f"{shown(value, quoted=True)} is not a size: sizes are finite numbers of GB, "
+                                  "0 or more")
         return number
     if kind.startswith("list["):
         return _to_list(value, kind[5:-1])

@@ -71,11 +71,13 @@ def run_probe(mode: str, path: str, timeout: float = 120) -> dict[str, Any]:
         done = subprocess.run([sys.executable, "-m", "kvctl.core.lmcache_probe", mode, path], capture_output=True,
                               text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
-        return {"available": False, "error": None, "warnings": [], "reason": f"LMCache did not answer in {timeout:.0f} s"}
+        return {"available": False, "error": None, "warnings": [],
+                "reason": f"LMCache did not answer in {timeout:.0f} s"}
     for line in reversed(done.stdout.splitlines()):
         if line.startswith(MARKER):
             return json.loads(line[len(MARKER):])
-    return {"available": False, "error": None, "warnings": [], "reason": (done.stderr.strip().splitlines() or ["?"])[-1]}
+    return {"available": False, "error": None, "warnings": [],
+            "reason": (done.stderr.strip().splitlines() or ["?"])[-1]}
 
 
 if __name__ == "__main__":

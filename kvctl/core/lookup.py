@@ -238,14 +238,16 @@ def l1_presence(answer: dict[str, Any], tokens: Sequence[int], recipe: MPKeyReci
 # -- diagnosis ----------------------------------------------------------------------------------
 
 
-def diagnose(tokens: Sequence[int], target: Target, result: LookupResult, sources: dict[str, Source]) -> list[Diagnostic]:
+def diagnose(tokens: Sequence[int], target: Target, result: LookupResult,
+             sources: dict[str, Source]) -> list[Diagnostic]:
     recipe = target.recipe
     found: list[Diagnostic] = []
     tail = len(tokens) % recipe.chunk_size
     if tail and not getattr(recipe, "save_unfull_chunk", False):
         found.append(Diagnostic("unfull_chunk_not_saved", f"the last {tail} tokens do not fill a chunk of "
                                 f"{recipe.chunk_size} and are never stored (save_unfull_chunk is false)",
-                                "this is normal; only a prompt whose length is a multiple of the chunk size is fully cached"))
+                                "this is normal; only a prompt whose length is a multiple of the chunk size is fully "
+                                "cached"))
     if not result.chunks:
         found.append(Diagnostic("prompt_shorter_than_chunk", f"the prompt has {len(tokens)} tokens, fewer than one "
                                 f"chunk of {recipe.chunk_size}: LMCache stores nothing for it",
@@ -257,8 +259,8 @@ def diagnose(tokens: Sequence[int], target: Target, result: LookupResult, source
         return found
     missing = next(chunk for chunk in result.chunks if chunk.start >= stored)
     if stored:
-        found.append(Diagnostic("missing_chunk", f"chunk {missing.index} (tokens {missing.start}-{missing.end}) is in no "
-                                f"tier checked, so the hit stops at {stored} tokens",
+        found.append(Diagnostic("missing_chunk", f"chunk {missing.index} (tokens {missing.start}-{missing.end}) "
+                                f"is in no tier checked, so the hit stops at {stored} tokens",
                                 "it was evicted or never stored; prewarm the prompt to store it again"))
         return found
     if target.mode == "mp":
@@ -299,7 +301,8 @@ def _diagnose_inprocess(tokens: Sequence[int], target: Target, sources: dict[str
         world_size, dtype, tags = layouts.most_common(1)[0][0]
         if world_size != recipe.world_size:
             return [Diagnostic("world_size_mismatch", f"chunks of this model were stored by a deployment of world size "
-                               f"{world_size}; this lookup assumes {recipe.world_size}", f"pass --world-size {world_size}")]
+                               f"{world_size}; this lookup assumes {recipe.world_size}",
+                               f"pass --world-size {world_size}")]
         if dtype != recipe.kv_dtype:
             return [Diagnostic("dtype_mismatch", f"chunks of this model are stored with KV dtype {dtype}; this lookup "
                                f"assumes {recipe.kv_dtype}", f"pass --kv-dtype {dtype}, or check vLLM's --dtype")]
@@ -347,8 +350,8 @@ def _explain(recipe: KeyRecipe, found: KeyRecipe) -> Diagnostic:
                           f"configuration says {recipe.chunk_size}", f"use the configuration the serving process "
                           f"runs with (chunk_size: {found.chunk_size})")
     if found.hash_algorithm != recipe.hash_algorithm:
-        return Diagnostic("hash_algorithm_mismatch", f"this prompt is stored with hash algorithm {found.hash_algorithm!r}"
-                          f", but the configuration says {recipe.hash_algorithm!r}",
+        return Diagnostic("hash_algorithm_mismatch", f"this prompt is stored with hash algorithm "
+                          f"{found.hash_algorithm!r}, but the configuration says {recipe.hash_algorithm!r}",
                           f"use the serving process's pre_caching_hash_algorithm ({found.hash_algorithm})")
     if not found.vllm_importable:
         return Diagnostic("hash_seed_mismatch", "this prompt is stored by an engine without vLLM (NONE_HASH = 0)",

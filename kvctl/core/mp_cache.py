@@ -39,7 +39,8 @@ def registered_model(server, model: str | None) -> tuple[str, int]:
     if model:
         return model, models.get(model, 1)
     if len(models) != 1:
-        raise UsageError(f"which model? the server has {'registered ' + ', '.join(models) if models else 'no model registered'}",
+        raise UsageError("which model? the server has "
+                         f"{'registered ' + ', '.join(models) if models else 'no model registered'}",
                          hint="pass --model with the value of vLLM's --model")
     return next(iter(models.items()))
 
@@ -139,7 +140,8 @@ def _evict_l2(server, store: Store, wanted: list[ObjectKey] | None, model: str |
     going = [key for key in held if key not in pinned]
     if going and not dry_run:
         for start in range(0, len(going), DELETE_BATCH):
-            answer = server.delete_objects([parse_object_key(key).encoded() for key in going[start:start + DELETE_BATCH]],
+            answer = server.delete_objects([parse_object_key(key).encoded()
+                                            for key in going[start:start + DELETE_BATCH]],
                                            tier="l2", adapter=ADAPTER_TYPES[store.layout])
             if not answer["ok"]:
                 raise ServerError(f"the server's {ADAPTER_TYPES[store.layout]} adapter failed to delete: "

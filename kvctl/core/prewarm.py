@@ -39,7 +39,8 @@ def load_prompts(paths: list[str], chat: bool) -> list[Prompt]:
         if path.is_dir():
             files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
             if not files:
-                raise KvctlError(f"{path} holds no files", hint="give prompt files, a directory of them, or a JSONL file")
+                raise KvctlError(f"{path} holds no files",
+                                 hint="give prompt files, a directory of them, or a JSONL file")
             for file in files:
                 prompts += _from_path(file, chat)
         else:
@@ -65,7 +66,8 @@ def _from_jsonl(path: Path) -> list[Prompt]:
         try:
             entry = json.loads(line)
         except ValueError:
-            raise KvctlError(f"{path}:{number} is not valid JSON", hint='each line is {"prompt": …} or {"messages": […]}') from None
+            raise KvctlError(f"{path}:{number} is not valid JSON",
+                             hint='each line is {"prompt": …} or {"messages": […]}') from None
         name = f"{path}:{number}"
         if isinstance(entry, dict) and isinstance(entry.get("prompt"), str):
             prompts.append(Prompt(name, text=entry["prompt"]))

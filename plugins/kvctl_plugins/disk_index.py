@@ -78,7 +78,8 @@ def rebuild(backend, config, metadata) -> dict[str, Any]:
             continue
         stat = entry.stat()
         tokens, remainder = divmod(stat.st_size, bytes_per_token)
-        if remainder or not 0 < tokens <= config.chunk_size or (tokens < config.chunk_size and not config.save_unfull_chunk):
+        if remainder or not 0 < tokens <= config.chunk_size or (tokens < config.chunk_size
+                                                                 and not config.save_unfull_chunk):
             _untrusted(report, entry.name, f"{stat.st_size} bytes is not a chunk of this engine")
             continue
         request_configs = {"lmcache.tag." + tag.split("%", 1)[0]: tag.split("%", 1)[1] for tag in parsed[5]} or None
@@ -90,7 +91,7 @@ def rebuild(backend, config, metadata) -> dict[str, Any]:
         candidates.append((stat.st_mtime, entry.path, key, tokens, stat.st_size))
     budget = backend.max_cache_size - backend.current_cache_size
     chosen = []
-    for mtime, path, key, tokens, size in sorted(candidates, key=lambda c: c[0], reverse=True):  # newest first
+    for mtime, _path, key, tokens, size in sorted(candidates, key=lambda c: c[0], reverse=True):  # newest first
         if size > budget:
             report["over_budget"] += 1
             continue

@@ -428,7 +428,8 @@ def _remove_from_redis(engine, keys: list[Any]) -> list[Any]:
 
     url = str(engine.config.remote_url)
     if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise BadRequest(f"evicting from {url.split('://')[0]}:// remotes is not supported; use kvctl evict --tier redis")
+        raise BadRequest(f"evicting from {url.split('://')[0]}:// remotes is not supported; "
+                         "use kvctl evict --tier redis")
     if not keys:
         return []
     client = redis.Redis.from_url(url)

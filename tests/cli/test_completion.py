@@ -49,7 +49,8 @@ def test_bash_completes_without_starting_python(words, expected):
 def test_bash_completes_paths(tmp_path):
     (tmp_path / "conf-dir").mkdir()
     (tmp_path / "conf.yaml").write_text("")
-    assert sorted(bash_complete("kvctl", "config", "validate", f"{tmp_path}/conf")) == [f"{tmp_path}/conf-dir", f"{tmp_path}/conf.yaml"]
+    assert (sorted(bash_complete("kvctl", "config", "validate", f"{tmp_path}/conf"))
+            == [f"{tmp_path}/conf-dir", f"{tmp_path}/conf.yaml"])
     assert bash_complete("kvctl", "config", "init", "--out", f"{tmp_path}/conf") == [f"{tmp_path}/conf-dir"]
 
 
@@ -83,7 +84,8 @@ def test_instance_names_come_from_the_inventory_and_running_serves(tmp_path):
 
 def fish_complete(line):
     done = subprocess.run(["fish", "--no-config", "-c", f"source {SCRIPTS / 'kvctl.fish'}; complete -C {line!r}"],
-                          capture_output=True, text=True, env={"PATH": f"{VENV_BIN}:/usr/bin:/bin", "HOME": os.environ["HOME"]})
+                          capture_output=True, text=True,
+                          env={"PATH": f"{VENV_BIN}:/usr/bin:/bin", "HOME": os.environ["HOME"]})
     assert done.returncode == 0, done.stderr
     return [entry.split("\t")[0] for entry in done.stdout.splitlines()]
 
@@ -112,7 +114,8 @@ _kvctl
 
 
 @pytest.mark.parametrize(("words", "expected"), [
-    (["kvctl", "co"], "serve prewarm lookup keys ls pin unpin pins evict health stats top version config model completion"),
+    (["kvctl", "co"], "serve prewarm lookup keys ls pin unpin pins evict health stats top version config model "
+     "completion"),
     (["kvctl", "config", "init", "--mode", ""], "inprocess mp"),
     (["kvctl", "config", "init", "--out", ""], "<files -/>"),
     (["kvctl", "config", "validate", ""], "<files >"),

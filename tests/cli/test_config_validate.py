@@ -69,18 +69,21 @@ CASES = [
     ({"local_disk": "file:///tmp/kvctl-disk/"}, "error", "max_local_disk_size", "is 0", "budget"),
     ({"chunk_size": 100}, "error", "chunk_size", "multiple of vLLM's block size 128", "multiple of 128"),
     ({"max_local_cpu_size": 100000}, "error", "max_local_cpu_size", "free memory", "lower"),
-    ({"local_disk": "/tmp/kvctl-disk/", "max_local_disk_size": 10**7}, "error", "max_local_disk_size", "GB free", "lower"),
+    ({"local_disk": "/tmp/kvctl-disk/", "max_local_disk_size": 10**7}, "error", "max_local_disk_size", "GB free",
+     "lower"),
     ({"remote_url": "redis://host:port"}, "error", "remote_url", "bad port", "1 to 65535"),
     ({"remote_url": "redis:///0"}, "error", "remote_url", "no host", "redis://host:port"),
     ({"remote_url": "redis://h:1/zero"}, "error", "remote_url", "database must be a number", "database index"),
     ({"run_script_api_enabled": True}, "warning", "run_script_api_enabled", "run Python code", "false"),
-    ({"internal_api_server_host": "0.0.0.0"}, "warning", "internal_api_server_host", "beyond this machine", "127.0.0.1"),
+    ({"internal_api_server_host": "0.0.0.0"}, "warning", "internal_api_server_host", "beyond this machine",
+     "127.0.0.1"),
     ({"internal_api_server_enabled": False}, "warning", "internal_api_server_enabled", "offline", "true"),
     ({"pre_caching_hash_algorithm": "md5"}, "error", "pre_caching_hash_algorithm", "falls back", "sha256_cbor"),
 ]
 
 
-@pytest.mark.parametrize(("extra", "level", "key", "message", "hint"), CASES, ids=[case[2] + "-" + case[3][:12] for case in CASES])
+@pytest.mark.parametrize(("extra", "level", "key", "message", "hint"), CASES,
+                         ids=[case[2] + "-" + case[3][:12] for case in CASES])
 def test_each_finding(tmp_path, extra, level, key, message, hint):
     result, report = validate(write_yaml(tmp_path, {**GOOD, **extra}))
     matching = [f for f in report["findings"] if f["key"] == key and f["level"] == level]
@@ -92,7 +95,8 @@ def test_each_finding(tmp_path, extra, level, key, message, hint):
 
 
 def test_missing_determinism_settings_are_warned(tmp_path):
-    values = {key: value for key, value in GOOD.items() if key not in ("pre_caching_hash_algorithm", "lmcache_instance_id")}
+    values = {key: value for key, value in GOOD.items()
+              if key not in ("pre_caching_hash_algorithm", "lmcache_instance_id")}
     _, report = validate(write_yaml(tmp_path, values))
     assert {f["key"] for f in findings(report, "warning")} == {"pre_caching_hash_algorithm", "lmcache_instance_id"}
 
@@ -176,7 +180,8 @@ def test_kv_transfer_config_that_is_not_json(tmp_path):
 
 
 def test_mp_server_yaml_findings(tmp_path):
-    result, _ = validate(write_yaml(tmp_path, {"port": 5555, "chunk_size": 256, "l1_size_gb": 1, "eviction_policy": "LRU"}))
+    result, _ = validate(write_yaml(tmp_path, {"port": 5555, "chunk_size": 256, "l1_size_gb": 1,
+                                               "eviction_policy": "LRU"}))
     assert result.code == 0
     values = {"port": "5555", "chunk_size": 200, "l1_size_gb": 1, "eviction_policy": "LFU", "htpp_port": 1,
               "http_host": "0.0.0.0"}

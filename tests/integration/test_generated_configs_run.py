@@ -42,7 +42,8 @@ def test_inprocess_config_runs_an_engine_with_cpu_disk_and_redis(tmp_path, redis
     proc = start_process(argv, log, env)
     api = f"http://127.0.0.1:{port_start + 1}"  # worker 0 = port_start + 1
     try:
-        assert wait_until(lambda: http_json("GET", f"{api}/lmc_version"), 120, "standalone engine", proc, log) == "0.5.6"
+        assert wait_until(lambda: http_json("GET", f"{api}/lmc_version"), 120, "standalone engine",
+                          proc, log) == "0.5.6"
         assert set(http_json("GET", f"{api}/backends")) == {"LocalCPUBackend", "LocalDiskBackend", "RemoteBackend"}
         conf = http_json("GET", f"{api}/conf")
         assert conf["chunk_size"] == CHUNK
@@ -76,7 +77,8 @@ def test_mp_config_runs_the_lmcache_server_with_fs_and_redis(tmp_path, redis_ser
     proc = start_process([sys.executable, "-m", "lmcache.v1.multiprocess.http_server", *mp_server_argv(values)], log)
     url = f"http://127.0.0.1:{http_port}"
     try:
-        wait_until(lambda: http_json("GET", f"{url}/healthcheck")["status"] == "healthy", 120, "lmcache server", proc, log)
+        wait_until(lambda: http_json("GET", f"{url}/healthcheck")["status"] == "healthy", 120, "lmcache server",
+                   proc, log)
         status = http_json("GET", f"{url}/status")
         assert status["chunk_size"] == 256 and status["hash_algorithm"] == "blake3"
         assert all(adapter["is_healthy"] for adapter in status["storage_manager"]["l2_adapters"])

@@ -48,14 +48,16 @@ def assert_same(case, expected, seed, vllm):
         recipe = KeyRecipe(case["model"], case["chunk"], case["algorithm"], seed, vllm, case["save_unfull"],
                            case["world_size"], worker, {"bfloat16": "bfloat16", "float16": "half"}[case["dtype"]])
         bounds = chunk_bounds(len(TOKENS), case["chunk"], case["save_unfull"])
-        assert [[s, e, k] for (s, e), k in zip(bounds, inprocess_keys(TOKENS, recipe))] == worker_keys, case["algorithm"]
+        assert ([[s, e, k] for (s, e), k in zip(bounds, inprocess_keys(TOKENS, recipe))]
+                == worker_keys), case["algorithm"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", ["0", "12345"])
 def test_inprocess_keys_with_vllm_importable(seed):
     cases = [inprocess_case(algorithm) for algorithm in INPROCESS_ALGORITHMS]
-    cases.append(inprocess_case("sha256_cbor", chunk=128, save_unfull=True, model="tiny", world_size=1, dtype="float16"))
+    cases.append(inprocess_case("sha256_cbor", chunk=128, save_unfull=True, model="tiny", world_size=1,
+                                dtype="float16"))
     for case, expected in zip(cases, lmcache_keys(cases, seed=seed)):
         assert len(expected) == case["world_size"] and expected[0]
         assert_same(case, expected, seed, vllm=True)
@@ -63,7 +65,8 @@ def test_inprocess_keys_with_vllm_importable(seed):
 
 @pytest.mark.slow
 def test_inprocess_keys_without_vllm():
-    cases = [inprocess_case(algorithm, chunk=128, save_unfull=True, world_size=1) for algorithm in ("builtin", "sha256_cbor")]
+    cases = [inprocess_case(algorithm, chunk=128, save_unfull=True, world_size=1)
+             for algorithm in ("builtin", "sha256_cbor")]
     for case, expected in zip(cases, lmcache_keys(cases, vllm=False)):
         assert expected[0][-1][:2] == [640, 700]  # the unfull tail is a chunk of its own
         assert_same(case, expected, "0", vllm=False)

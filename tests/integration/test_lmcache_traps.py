@@ -34,7 +34,8 @@ def test_traps_that_validate_reports_are_real_in_lmcache(tmp_path):
     loaded = load_with_lmcache(path, env={"LM_CACHE_CHUNK_SIZE": "512"})
     assert loaded == {"controller_pull_url": None, "lmcache_worker_ports": None, "enable_pd": False,
                       "local_cpu": False, "chunk_size": 256}
-    report = json.loads(run_kvctl("config", "validate", path, "--no-lmcache", env={"LM_CACHE_CHUNK_SIZE": "512"}).stdout)
+    report = json.loads(run_kvctl("config", "validate", path, "--no-lmcache",
+                                  env={"LM_CACHE_CHUNK_SIZE": "512"}).stdout)
     assert {f["key"] for f in report["findings"] if f["level"] == "error"} >= {
         "controller_url", "lmcache_worker_port", "enable_xpyd", "local_cpu", "env:LM_CACHE_CHUNK_SIZE"}
 

@@ -65,7 +65,8 @@ def causes(report):
 def test_lookup_finds_every_stored_chunk_on_disk_and_redis(deployment):
     result, report = lookup(deployment)
     assert result.code == 0, result.stderr
-    expected_keys = inprocess_keys(list(range(STORED + 100)), KeyRecipe("tiny", CHUNK, "sha256_cbor", "0", kv_dtype="half"))
+    expected_keys = inprocess_keys(list(range(STORED + 100)),
+                                   KeyRecipe("tiny", CHUNK, "sha256_cbor", "0", kv_dtype="half"))
     assert [chunk["key"] for chunk in report["chunks"]] == expected_keys
     assert [chunk["tiers"] for chunk in report["chunks"]] == [["disk", "redis"]] * 4
     assert report["hit_tokens"] == {"cpu": 0, "disk": STORED, "redis": STORED, "total": STORED}

@@ -155,7 +155,8 @@ def test_evict_by_key_and_whole_tiers(stack, tmp_path):
     result, done = stack.kvctl("evict", "--key", key, "--tier", "disk", "--yes")
     assert result.code == 0, result.stderr
     assert done["removed"] == {"disk": 1} and done["chunks"] == [{"tier": "disk", "key": key}]
-    files = [ranks[0].fs_file_name() for ids in (first, second) for ranks in mp_object_keys(ids, MPKeyRecipe(MODEL, CHUNK))]
+    files = [ranks[0].fs_file_name() for ids in (first, second)
+             for ranks in mp_object_keys(ids, MPKeyRecipe(MODEL, CHUNK))]
     assert sorted(os.listdir(stack.l2)) == sorted([*STRAY_FILES, *files[:3]])  # the key's file, and only it, went
     assert stack.hits(tmp_path, second)["redis"] == 2 * CHUNK and stack.l1_status()["total_object_count"] == 4
     bad, _ = stack.kvctl("evict", "--key", "no-such-key", "--yes")

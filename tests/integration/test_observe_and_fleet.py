@@ -133,7 +133,8 @@ def test_fleet_fan_out_names_the_members_that_fail(fleet):
     failed = {i["instance"]: i["checks"][0]["detail"] for i in report["instances"] if not i["healthy"]}
     assert set(failed) == {"hung", "gone"} and "no answer in 3 s" in failed["hung"]
     assert "no kvctl serve state" in failed["gone"]
-    nowhere = run_kvctl("health", "--instance", "all", env={"KVCTL_INVENTORY": "", "XDG_CONFIG_HOME": str(fleet["root"])},
+    nowhere = run_kvctl("health", "--instance", "all",
+                        env={"KVCTL_INVENTORY": "", "XDG_CONFIG_HOME": str(fleet["root"])},
                         cwd=fleet["root"] / "a")
     assert nowhere.code == 2 and "needs an inventory" in nowhere.stderr
     tokens = fleet["root"] / "tokens.json"

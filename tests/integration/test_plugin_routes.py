@@ -52,13 +52,15 @@ def engine(tmp_path_factory, module_redis):
 
 
 def store(engine, start, chunks):
-    result = http_json("POST", f"{engine['url']}/cache/store", params={"tokens_mock": f"{start},{start + chunks * CHUNK}"})
+    result = http_json("POST", f"{engine['url']}/cache/store",
+                       params={"tokens_mock": f"{start},{start + chunks * CHUNK}"})
     assert result["num_tokens"] == chunks * CHUNK
     names = [key + "metadata" for key in keys_of(tokens(start, chunks))]
     wait_until(lambda: all(engine["redis"].exists(name) for name in names), 30, "chunks in Redis")
     files = [engine["root"] / "disk" / disk_file_name(key) for key in keys_of(tokens(start, chunks))]
     # LMCache writes a chunk file in place and holds the CPU copy until the write is done
-    wait_until(lambda: all(path.exists() and path.stat().st_size == CHUNK_BYTES for path in files), 30, "chunks on disk")
+    wait_until(lambda: all(path.exists() and path.stat().st_size == CHUNK_BYTES for path in files), 30,
+               "chunks on disk")
 
 
 def cpu_keys(engine):
@@ -147,7 +149,8 @@ def test_evict_by_tokens_removes_exactly_that_prompt_on_every_tier(engine):
     after = engine["client"].lookup(tokens(60_000, 2))
     assert after["hit_tokens"] == {"cpu": 0, "disk": 0, "redis": 0, "total": 0}
     assert not any((engine["root"] / "disk" / disk_file_name(key)).exists() for key in doomed)
-    assert not any(engine["redis"].exists(key + "metadata") or engine["redis"].exists(key + "kv_bytes") for key in doomed)
+    assert not any(engine["redis"].exists(key + "metadata") or engine["redis"].exists(key + "kv_bytes")
+                   for key in doomed)
     assert engine["client"].lookup(tokens(70_000, 2))["hit_tokens"]["total"] == 2 * CHUNK
     assert all((engine["root"] / "disk" / disk_file_name(key)).exists() for key in kept)
 

@@ -6,7 +6,8 @@ A chunk's two names (`<key>kv_bytes`, `<key>metadata`) hash to different cluster
 live on different primaries: listing must SCAN every primary and removal must send one name per command.
 LMCache 0.5.6's sentinel connector calls redis.asyncio methods without await: it writes nothing
 (test_lmcache_056_sentinel_connector_writes_nothing) and its exists() is an un-awaited coroutine,
-always truthy, so that engine answers "in Redis" for every chunk: kvctl asks Redis instead. So in the sentinel stack a second engine writes through LMCache's redis:// connector to the master the
+always truthy, so that engine answers "in Redis" for every chunk: kvctl asks Redis instead.
+So in the sentinel stack a second engine writes through LMCache's redis:// connector to the master the
 sentinel names, and kvctl works through the redis-sentinel:// URL (its config, and the engine configured
 with it). Ground truth never goes through kvctl: names are read per node with plain SCANs."""
 
@@ -132,7 +133,8 @@ def store(stack: Stack, start: int, chunks: int, unstored: int = 0, through: str
     wait until both names of every chunk are in Redis. The tokens file holds those tokens, then `unstored`
     full chunks and a partial chunk that were never stored; returns it and the stored chunks' keys."""
     tokens = list(range(start, start + chunks * CHUNK))
-    http_json("POST", f"{through or stack.writer}/cache/store", params={"tokens_mock": f"{start},{start + chunks * CHUNK}"})
+    http_json("POST", f"{through or stack.writer}/cache/store",
+              params={"tokens_mock": f"{start},{start + chunks * CHUNK}"})
     keys = inprocess_keys(tokens, RECIPE)
     if through is None:
         wanted = {key + suffix for key in keys for suffix in ("kv_bytes", "metadata")}

@@ -38,7 +38,8 @@ def settled(engine, start, chunks):
 
 def in_engine(engine, script: str) -> str:
     """Run Python inside the engine through LMCache's stock /run_script route."""
-    prelude = "e = app.state.lmcache_adapter.lmcache_engine\ncpu = e.storage_manager.storage_backends['LocalCPUBackend']\n"
+    prelude = ("e = app.state.lmcache_adapter.lmcache_engine\n"
+               "cpu = e.storage_manager.storage_backends['LocalCPUBackend']\n")
     response = httpx.post(f"{engine['url']}/run_script", files={"script": ("s.py", prelude + script)}, timeout=30)
     assert response.status_code == 200, response.text
     return response.text
@@ -60,7 +61,8 @@ def test_evicting_from_disk_gives_its_budget_back(engine):
     """LMCache's remove() leaves current_cache_size alone: the tier stayed "full" and refused new chunks."""
     settled(engine, 200_000, DISK_CHUNKS)  # fills the disk budget (older chunks go by LMCache's own eviction)
     assert disk_used(engine) == DISK_CHUNKS * CHUNK_BYTES
-    assert engine["client"].evict(tokens=tokens(200_000, DISK_CHUNKS), tiers=["disk"])["removed"] == {"disk": DISK_CHUNKS}
+    assert engine["client"].evict(tokens=tokens(200_000, DISK_CHUNKS),
+                                  tiers=["disk"])["removed"] == {"disk": DISK_CHUNKS}
     assert disk_files(engine) == {} and disk_used(engine) == 0
     settled(engine, 210_000, 2)  # waits for both chunk files on disk
     assert set(disk_files(engine)) == {disk_file_name(key) for key in keys_of(tokens(210_000, 2))}
@@ -151,7 +153,8 @@ def test_redis_removals_count_what_unlink_deleted(engine):
     result = engine["client"].evict(keys=[first, first, second], tiers=["redis"])
     assert result["removed"] == {"redis": 2}
     assert sorted(chunk["key"] for chunk in result["chunks"]) == sorted([first, second])
-    assert not any(engine["redis"].exists(key + suffix) for key in (first, second) for suffix in ("kv_bytes", "metadata"))
+    assert not any(engine["redis"].exists(key + suffix)
+                   for key in (first, second) for suffix in ("kv_bytes", "metadata"))
 
 
 # -- 5. hostile requests -------------------------------------------------------------------------

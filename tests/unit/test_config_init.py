@@ -58,10 +58,12 @@ def test_mp_mode_writes_server_flags_and_connector_keys(tmp_path):
                                            mp_port=5601, mp_http_port=8601), tmp_path)
     values = generated.lmcache
     assert values["l2_adapter"] == [{"type": "fs", "base_path": f"{tmp_path}/l2"},
-                                    {"type": "resp", "host": "127.0.0.1", "port": 6391, "username": "u", "password": "p"}]
+                                    {"type": "resp", "host": "127.0.0.1", "port": 6391, "username": "u",
+                                     "password": "p"}]
     assert values["supported_transfer_mode"] == "auto" and values["http_host"] == "127.0.0.1"
     extra = generated.kv_transfer["kv_connector_extra_config"]
-    assert extra == {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": 5601, "lmcache.mp.hash_algorithm": "blake3"}
+    assert extra == {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": 5601,
+                     "lmcache.mp.hash_algorithm": "blake3"}
     argv = mp_server_argv(values)
     assert argv[argv.index("--http-port") + 1] == "8601"
     assert argv.count("--l2-adapter") == 2
