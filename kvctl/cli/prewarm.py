@@ -111,17 +111,18 @@ SETTLE_S = 10.0
 
 def _settled(token_ids, instance, config, model):
     """What is cached once the server's asynchronous writes have landed: MP servers write L2 after
-    answering, so an offline lookup is repeated (up to SETTLE_S) until every chunk shows up."""
+    answering, so an offline lookup is repeated (up to SETTLE_S) until every chunk is on every tier."""
     deadline = time.monotonic() + (0 if instance and config is None else SETTLE_S)
     while True:
-        cached = _cached(token_ids, instance, config, model)
-        if cached["cached_chunks"] == cached["chunks"] or time.monotonic() >= deadline:
+        cached, everywhere = _cached(token_ids, instance, config, model)
+        if everywhere or time.monotonic() >= deadline:
             return cached
         time.sleep(0.5)
 
 
 def _cached(token_ids, instance, config, model):
-    """Chunks of the prompt now cached and where, from the same lookup `kvctl lookup` does."""
+    """Chunks of the prompt now cached and where, from the same lookup `kvctl lookup` does; and whether
+    every chunk is on every tier looked at."""
     if instance and config is None:
         from kvctl.clients.internal_api import InternalAPIClient
         from kvctl.core.lookup import engine_lookup
@@ -134,5 +135,6 @@ def _cached(token_ids, instance, config, model):
 
         result = read_tiers(token_ids, target_from_config(config, model, "bfloat16"), instance)
     tiers = sorted({tier for chunk in result.chunks for tier in chunk.tiers}, key=("cpu", "disk", "redis").index)
+    everywhere = all(set(chunk.tiers) == set(result.tiers_checked) for chunk in result.chunks)
     return {"chunks": len(result.chunks), "cached_chunks": sum(1 for chunk in result.chunks if chunk.tiers),
-            "hit_tokens": result.hit_tokens["total"], "tiers": tiers, "tier_errors": result.errors}
+            "hit_tokens": result.hit_tokens["total"], "tiers": tiers, "tier_errors": result.errors}, everywhere
