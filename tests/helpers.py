@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -116,6 +117,49 @@ def stop_process(proc: subprocess.Popen, grace: float = 10) -> None:
         except ProcessLookupError:
             return
         time.sleep(0.1)
+
+
+class Answers200(BaseHTTPRequestHandler):
+    """Answers 200 "ok" to every GET and POST, and records (and prints) each request line: a stand-in
+    for whatever wrongly answers on a port, a proxy included."""
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        self.server.requests.append(self.requestline)
+        print(self.requestline, flush=True)
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"ok")
+
+    do_POST = do_GET  # noqa: N815
+
+    def log_message(self, *_args):
+        pass
+
+
+def answer_200_forever(port: int) -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", port), Answers200)
+    server.requests = []
+    server.serve_forever()
+
+
+@contextlib.contextmanager
+def proxy_answering_200(monkeypatch):
+    """A real HTTP proxy that answers 200 to everything, set in every proxy variable; yields its request lines."""
+    import threading
+
+    server = ThreadingHTTPServer(("127.0.0.1", free_port()), Answers200)
+    server.requests = []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    with monkeypatch.context() as patch:
+        for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+            patch.setenv(name, f"http://127.0.0.1:{server.server_port}")
+        for name in ("NO_PROXY", "no_proxy"):
+            patch.delenv(name, raising=False)
+        try:
+            yield server.requests
+        finally:
+            server.shutdown()
 
 
 def http_json(method: str, url: str, **kwargs):

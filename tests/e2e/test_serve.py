@@ -14,8 +14,8 @@ import time
 import httpx
 import pytest
 
-from tests.helpers import KVCTL, free_port, run_kvctl, wait_until
-from tests.integration.test_serve_readiness import proxy_answering_200, started_child
+from tests.helpers import KVCTL, free_port, proxy_answering_200, run_kvctl, wait_until
+from tests.integration.test_serve_readiness import started_child
 
 
 def group_alive(pid: int) -> bool:

@@ -9,7 +9,15 @@ import pytest
 
 from kvctl.core.config_init import ConfigRequest, build_config
 from kvctl.core.lmcache_config import parse_env_file
-from tests.helpers import free_port, http_json, run_kvctl, start_standalone_engine, stop_process, wait_until
+from tests.helpers import (
+    free_port,
+    http_json,
+    proxy_answering_200,
+    run_kvctl,
+    start_standalone_engine,
+    stop_process,
+    wait_until,
+)
 
 
 def test_a_bind_beyond_loopback_gets_a_token_in_env_sh(tmp_path):
@@ -44,33 +52,9 @@ def test_routes_answer_only_the_bearer_of_the_token(tmp_path):
         stop_process(proc)
 
 
-def test_a_proxy_in_the_environment_never_sees_kvctl_requests():
+def test_a_proxy_in_the_environment_never_sees_kvctl_requests(monkeypatch):
     """A proxy that answers 200 to everything: kvctl's requests (prompts' token ids) never go to it,
     and a server that is not there stays unreachable."""
-    import http.server
-    import threading
-
-    seen = []
-
-    class Proxy(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - http.server's name
-            seen.append(self.path)
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.end_headers()
-            self.wfile.write(b"{}")
-
-        do_POST = do_GET  # noqa: N815
-
-        def log_message(self, *_args):
-            pass
-
-    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Proxy)
-    threading.Thread(target=proxy.serve_forever, daemon=True).start()
-    address = f"http://127.0.0.1:{proxy.server_address[1]}"
-    try:
-        result = run_kvctl("health", "--instance", "http://127.0.0.1:1", "--format", "json",
-                           env={"HTTP_PROXY": address, "http_proxy": address, "ALL_PROXY": address, "NO_PROXY": ""})
-    finally:
-        proxy.shutdown()
-    assert result.code == 3 and seen == []
+    with proxy_answering_200(monkeypatch) as proxied:
+        result = run_kvctl("health", "--instance", "http://127.0.0.1:1", "--format", "json")
+    assert result.code == 3 and proxied == []

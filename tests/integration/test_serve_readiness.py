@@ -3,40 +3,22 @@
 is never used), a child that logs a fatal line reported within seconds, and inherited LMCACHE_* variables
 kept from the children (`kvctl serve --mode mp` up to its first child, the coordinator)."""
 
-import contextlib
 import os
 import signal
 import subprocess
 import sys
-import textwrap
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from kvctl.core.launch import Component, LaunchPlan, build_plan
 from kvctl.core.supervisor import ChildFailed, Supervisor
-from tests.helpers import KVCTL, free_port, wait_until
+from tests.helpers import KVCTL, REPO, free_port, proxy_answering_200, wait_until
 
-# A server that answers 200 "ok" to every request and prints each request line.
-ANSWERS_200 = textwrap.dedent("""
-    import http.server, sys
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            print(self.requestline, flush=True)
-            self.send_response(200)
-            self.send_header("Content-Length", "2")
-            self.end_headers()
-            self.wfile.write(b"ok")
-
-        def log_message(self, *args):
-            pass
-
-    http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
-""")
+# A child process that answers 200 "ok" to every request and prints each request line.
+ANSWERS_200 = f"import sys; sys.path.insert(0, {str(REPO)!r}); from tests.helpers import answer_200_forever; " \
+              "answer_200_forever(int(sys.argv[1]))"
 SLEEPS = "import time; time.sleep(120)"
 
 
@@ -75,35 +57,6 @@ def test_a_server_answering_200_to_everything_is_not_ready(tmp_path, mode, label
     error, _ = supervise(tmp_path, [ANSWERS_200, str(port)], [check])
     assert error.message.startswith(f"child was not ready after 3 s ({label} at {check.target})")
     assert f"GET {check.target.split(str(port), 1)[1]} HTTP/1.1" in (tmp_path / "child.log").read_text()  # it asked
-
-
-@contextlib.contextmanager
-def proxy_answering_200(monkeypatch):
-    """A real HTTP proxy that answers 200 to everything, set in every proxy variable; yields its request lines."""
-    requests = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):
-            requests.append(self.requestline)
-            self.send_response(200)
-            self.send_header("Content-Length", "2")
-            self.end_headers()
-            self.wfile.write(b"ok")
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    with monkeypatch.context() as patch:
-        for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
-            patch.setenv(name, f"http://127.0.0.1:{server.server_port}")
-        for name in ("NO_PROXY", "no_proxy"):
-            patch.delenv(name, raising=False)
-        try:
-            yield requests
-        finally:
-            server.shutdown()
 
 
 def test_readiness_never_goes_through_a_proxy_from_the_environment(tmp_path, monkeypatch):
