@@ -108,7 +108,7 @@ def check_token(request: Request, token: str | None) -> None:
     the process's KVCTL_ROUTES_TOKEN (and none at all without one); with a token set, always."""
     server = request.scope.get("server")
     if not token:
-        if server and not _is_loopback_address(server[0]):
+        if server and server[1] is not None and not _is_loopback_address(server[0]):  # TCP beyond loopback
             raise Forbidden(f"kvctl's routes are off on a server bound beyond loopback without {TOKEN_VARIABLE}; "
                             "set it in the engine's environment (kvctl config init writes one to env.sh)")
         return
