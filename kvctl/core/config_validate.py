@@ -7,7 +7,6 @@ installed, from loading the file with LMCache's own config machinery in a child 
 from __future__ import annotations
 
 import difflib
-import ipaddress
 import json
 import math
 import os
@@ -16,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvctl.core import platform
-from kvctl.core.config_init import resp_credentials
+from kvctl.core.config_init import is_loopback, resp_credentials
 from kvctl.core.display import PATH_CHARS, shown
 from kvctl.core.errors import KvctlError, UsageError
 from kvctl.core.keys import MP_BUILTIN_UNREPRODUCIBLE
@@ -238,7 +237,7 @@ def _check_inprocess_values(values: dict[str, Any], block: int, collector: _Coll
         collector.warning("run_script_api_enabled", "run_script_api_enabled lets anyone who reaches the internal "
                           "API server run Python code in the serving process", hint="set it to false")
     host = get("internal_api_server_host")
-    if get("internal_api_server_enabled") and not _is_loopback(host):
+    if get("internal_api_server_enabled") and not is_loopback(str(host)):
         collector.warning("internal_api_server_host", f"the internal API server binds {shown(host)}, beyond this "
                           "machine: LMCache's own routes have no authentication (kvctl's answer only "
                           "KVCTL_ROUTES_TOKEN)",
@@ -275,15 +274,6 @@ def _check_redis_eviction(collector, url) -> None:
                           hint="use maxmemory-policy noeviction or volatile-* (LMCache sets no TTL), or no maxmemory")
 
 
-def _is_loopback(host: Any) -> bool:
-    if host in ("localhost",):
-        return True
-    try:
-        return ipaddress.ip_address(str(host)).is_loopback
-    except ValueError:
-        return False
-
-
 def _type_text(spec: dict[str, Any]) -> str:
     return f"{spec['type']}{' or null' if spec['optional'] else ''}"
 
@@ -317,7 +307,7 @@ def _check_mp_yaml(values: dict[str, Any], block: int, collector: _Collector) ->
         collector.error("l1_size_gb", f"l1_size_gb {size} GB is more than the {platform.available_memory_gb():.1f} GB "
                         "of free memory", hint="lower it")
     for key in ("host", "http_host"):
-        if key in values and not _is_loopback(values[key]):
+        if key in values and not is_loopback(str(values[key])):
             collector.warning(key, f"{key} {shown(values[key])} exposes the MP server beyond this machine with no "
                               "authentication", hint="use 127.0.0.1")
     if values.get("run_script_api_enabled"):
