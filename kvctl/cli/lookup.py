@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from kvctl.cli.options import InventoryOption, TimeoutOption
-from kvctl.core.errors import ExitCode, KvctlError, UsageError
+from kvctl.core.errors import ExitCode, UsageError
 from kvctl.output import Table, escape
 
 PromptFile = Annotated[str | None, typer.Option("--prompt-file", help="UTF-8 text sent as a completion prompt "
@@ -193,38 +192,9 @@ def store_lookup(out, prompt_file, chat, tokens_file, model, config, kv_dtype, w
     for note in target.notes:
         if not (instance and note == MP_L1_UNCHECKED):
             out.info(f"note: {note}")
+    from kvctl.core.lookup import read_tiers
+
     return read_tiers(token_ids, target, instance)
-
-
-def read_tiers(token_ids: list[int], target, mp_url: str | None = None):
-    """Look tokens up in the stores of a target, reading them directly (clients closed afterwards),
-    joined by the MP server's L1 answer when its URL is known."""
-    from kvctl.clients.stores import open_store
-    from kvctl.core.lookup import lookup as run_lookup
-
-    presence, errors = mp_l1_presence(mp_url, token_ids, target) if mp_url and target.mode == "mp" else ({}, {})
-    with ExitStack() as stack:
-        def open_source(store):
-            source = open_store(store)
-            if hasattr(source, "close"):
-                stack.callback(source.close)
-            return source
-
-        return run_lookup(token_ids, target, open_source, presence, errors)
-
-
-def mp_l1_presence(url: str, token_ids: list[int], target) -> tuple[dict[str, list[bool]], dict[str, str]]:
-    """({"cpu": per-chunk flags}, {}) from the MP server's kvctl lookup route, or ({}, {"cpu": why not})."""
-    from kvctl.clients.mp_server import MPServerClient
-    from kvctl.core.lookup import l1_presence
-
-    recipe = target.recipe
-    try:
-        with MPServerClient(url) as server:
-            answer = server.lookup(token_ids, recipe.model_name, recipe.world_size, recipe.cache_salt)
-        return {"cpu": l1_presence(answer, token_ids, recipe)}, {}
-    except KvctlError as error:
-        return {}, {"cpu": error.message}
 
 
 def live_lookup(instance: str, prompt_file, chat, tokens_file, model, vllm_url):

@@ -8,9 +8,10 @@ from typing import Annotated
 
 import typer
 
-from kvctl.cli.lookup import instance_target, read_tiers
+from kvctl.cli.lookup import instance_target
 from kvctl.cli.options import PrefetchTier
 from kvctl.core.errors import ExitCode, KvctlError, UsageError
+from kvctl.core.lookup import read_tiers
 from kvctl.output import Table
 
 

@@ -28,7 +28,9 @@ IDENTIFY_TIMEOUT_S = 5.0
 
 
 @dataclass
-class Instance:
+class Address:
+    """Where one running instance's parts answer (its URLs, state and configuration), before anyone asks."""
+
     name: str
     mode: str = "inprocess"  # "inprocess" or "mp"
     internal_api: list[str] = field(default_factory=list)  # scheduler, then worker 0, 1, ...
@@ -46,9 +48,9 @@ class Instance:
         return self.internal_api[1] if len(self.internal_api) > 1 else (self.internal_api or [None])[0]
 
 
-def from_state(state: dict[str, Any], name: str | None = None) -> Instance:
+def from_state(state: dict[str, Any], name: str | None = None) -> Address:
     endpoints = state.get("endpoints", {})
-    return Instance(name or state.get("name", "default"), state.get("mode", "inprocess"),
+    return Address(name or state.get("name", "default"), state.get("mode", "inprocess"),
                     list(endpoints.get("internal_api") or []), endpoints.get("vllm"), endpoints.get("offload_socket"),
                     endpoints.get("mp_http"), state.get("config_dir"), state.get("model"),
                     coordinator=endpoints.get("coordinator"))
@@ -61,9 +63,9 @@ def worker_url(url: str, rank: int) -> str:
     return f"{head}{separator}{int(port) + rank}"
 
 
-def from_url(url: str) -> Instance:
+def from_url(url: str) -> Address:
     """An instance known only by worker 0's internal API URL."""
-    return Instance(url, internal_api=[url])
+    return Address(url, internal_api=[url])
 
 
 def announce_inventory(path: Path) -> None:
@@ -107,7 +109,7 @@ def read_inventory(path: Path) -> dict[str, Any]:
     return {**data, "instances": data.get("instances") or {}}
 
 
-def _from_inventory(name: str, entry: Any, path: Path) -> Instance:
+def _from_inventory(name: str, entry: Any, path: Path) -> Address:
     from kvctl.core.launch import read_state
 
     if not isinstance(entry, dict):
@@ -118,16 +120,16 @@ def _from_inventory(name: str, entry: Any, path: Path) -> Instance:
     if "internal_api" in entry:
         urls = entry["internal_api"]
         urls = [urls] if isinstance(urls, str) else list(urls)
-        return Instance(name, entry.get("mode", "inprocess"), urls, entry.get("vllm"), entry.get("offload_socket"),
+        return Address(name, entry.get("mode", "inprocess"), urls, entry.get("vllm"), entry.get("offload_socket"),
                         entry.get("mp_http"), entry.get("config_dir"), entry.get("model"))
     if "mp_http" in entry:
-        return Instance(name, "mp", [], entry.get("vllm"), None, entry["mp_http"], entry.get("config_dir"),
+        return Address(name, "mp", [], entry.get("vllm"), None, entry["mp_http"], entry.get("config_dir"),
                         entry.get("model"))
     raise KvctlError(f"instance {name!r} in {path} has no state, internal_api or mp_http",
                      hint="say where to find it")
 
 
-def resolve(instance: str | None, state: Path | None = None, inventory: Path | None = None) -> list[Instance]:
+def resolve(instance: str | None, state: Path | None = None, inventory: Path | None = None) -> list[Address]:
     """The instances a command addresses: `all` (the inventory), an inventory name, a `kvctl serve` name,
     a URL, or (nothing given) the most recent `kvctl serve`."""
     from kvctl.core.launch import is_url, read_state
@@ -146,16 +148,16 @@ def resolve(instance: str | None, state: Path | None = None, inventory: Path | N
     return [from_state(read_state(state, instance), instance)]
 
 
-def _member(name: str, entry: Any, path: Path) -> Instance:
+def _member(name: str, entry: Any, path: Path) -> Address:
     """A fleet member; one that cannot be found (a stopped kvctl serve's state file is gone) carries
     its problem, so that the fan-out reports it and goes on with the others."""
     try:
         return _from_inventory(name, entry, path)
     except KvctlError as error:
-        return Instance(name, problem=error.message)
+        return Address(name, problem=error.message)
 
 
-def identify(instance: Instance) -> Instance:
+def identify(instance: Address) -> Address:
     """An instance known by one URL is an in-process worker or an MP server: its kvctl routes say which."""
     from dataclasses import replace
 
@@ -191,7 +193,7 @@ class Outcome:
     hint: str | None = None
 
 
-def fan_out(instances: list[Instance], operation: Callable[[Instance], Any],
+def fan_out(instances: list[Address], operation: Callable[[Address], Any],
             timeout: float = DEFAULT_FANOUT_TIMEOUT_S) -> list[Outcome]:
     """Run `operation` on every instance at once; each gets `timeout` seconds and fails on its own.
 
@@ -200,7 +202,7 @@ def fan_out(instances: list[Instance], operation: Callable[[Instance], Any],
                                        exit_code=ExitCode.UNREACHABLE, hint="raise --timeout, or check the instance")
                 for instance in instances}
 
-    def run(instance: Instance) -> None:
+    def run(instance: Address) -> None:
         try:
             if instance.problem:
                 raise UnreachableError(instance.problem, hint="start it, or fix its entry in the inventory")

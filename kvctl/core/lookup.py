@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -219,6 +220,35 @@ def from_engine_answers(info: dict[str, Any], answers: list[dict[str, Any]],
     hit_tokens["total"] = sum(sizes[:lmcache_hit_chunks(presence)])
     return LookupResult(info["model"], "inprocess", info["chunk_size"], first["prompt_tokens"], chunks, hit_tokens,
                         tiers_checked, dict(errors))
+
+
+def read_tiers(token_ids: list[int], target, mp_url: str | None = None):
+    """Look tokens up in the stores of a target, reading them directly (clients closed afterwards),
+    joined by the MP server's L1 answer when its URL is known."""
+    from kvctl.clients.stores import open_store
+
+    presence, errors = mp_l1_presence(mp_url, token_ids, target) if mp_url and target.mode == "mp" else ({}, {})
+    with ExitStack() as stack:
+        def open_source(store):
+            source = open_store(store)
+            if hasattr(source, "close"):
+                stack.callback(source.close)
+            return source
+
+        return lookup(token_ids, target, open_source, presence, errors)
+
+
+def mp_l1_presence(url: str, token_ids: list[int], target) -> tuple[dict[str, list[bool]], dict[str, str]]:
+    """({"cpu": per-chunk flags}, {}) from the MP server's kvctl lookup route, or ({}, {"cpu": why not})."""
+    from kvctl.clients.mp_server import MPServerClient
+
+    recipe = target.recipe
+    try:
+        with MPServerClient(url) as server:
+            answer = server.lookup(token_ids, recipe.model_name, recipe.world_size, recipe.cache_salt)
+        return {"cpu": l1_presence(answer, token_ids, recipe)}, {}
+    except KvctlError as error:
+        return {}, {"cpu": error.message}
 
 
 def l1_presence(answer: dict[str, Any], tokens: Sequence[int], recipe: MPKeyRecipe) -> list[bool]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -107,3 +108,46 @@ class LocalTokenizer:
             raise KvctlError("the model has no chat template", hint="use --prompt-file with the rendered prompt")
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+@dataclass(frozen=True)
+class PromptSource:
+    """A prompt as the user gave it: exactly one of a text file, a chat file, or a token-ids file."""
+
+    prompt_file: str | None = None
+    chat: str | None = None
+    tokens_file: str | None = None
+
+    @property
+    def given(self) -> bool:
+        return bool(self.prompt_file or self.chat or self.tokens_file)
+
+    def token_ids(self, model_dir: str | None, vllm_url: str | None = None, model: str | None = None) -> list[int]:
+        """Tokenized as vLLM would: by the running vLLM when its URL is given, else by the local tokenizer
+        of `model_dir`; a token-ids file needs neither."""
+        given = [name for name, value in (("--prompt-file", self.prompt_file), ("--chat", self.chat),
+                                          ("--tokens-file", self.tokens_file)) if value]
+        if len(given) != 1:
+            raise UsageError("give exactly one of --prompt-file, --chat, --tokens-file",
+                             hint="e.g. kvctl lookup --prompt-file prompt.txt --config DIR --model MODEL")
+        if self.tokens_file:
+            return read_token_ids(self.tokens_file)
+        if vllm_url:
+            from kvctl.clients.vllm import VLLMClient
+
+            with VLLMClient(vllm_url) as vllm:
+                name = model or vllm.models()[0]
+                if self.chat:
+                    return vllm.tokenize(name, messages=read_chat(self.chat))
+                return vllm.tokenize(name, prompt=read_text(self.prompt_file))
+        if model_dir is None:
+            raise UsageError("tokenizing a prompt needs the model's tokenizer",
+                             hint="pass --model with a local model directory, or --tokens-file")
+        tokenizer = LocalTokenizer(model_dir)
+        return tokenizer.encode_chat(read_chat(self.chat)) if self.chat else tokenizer.encode_prompt(
+            read_text(self.prompt_file))
+
+
+def local_model_dir(*candidates: str | None) -> str | None:
+    """The first candidate model name that is a local directory (it holds the tokenizer)."""
+    return next((name for name in candidates if name and Path(name).is_dir()), None)

@@ -1,0 +1,298 @@
+"""One model of an instance: whatever a cache command talks to, as one protocol.
+
+`open_instance()` turns the selector flags (--instance, --state, --config, --inventory) into one of
+three implementations, each of which answers the same operations in its own way:
+
+    InProcessInstance  kvctl's routes on every worker (kvctl.core.inprocess)
+    MPInstance         the lmcache server, its L2 stores and the coordinator (kvctl.core.mp_cache)
+    OfflineInstance    a configuration directory with no engine: its disk directory and Redis (or
+                       fs / resp L2 stores) read and written directly (kvctl.core.offline)
+
+A command is then: parse -> open_instance -> one operation -> render a typed result. What an
+implementation cannot do it refuses with `Unsupported` (one line and a hint, exit 2).
+
+Eviction follows huggingface_hub's scan -> plan -> execute: `plan_eviction(selection)` is the dry
+run the user sees and confirms; `EvictionPlan.execute()` removes exactly the planned chunks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from kvctl.core.errors import UsageError
+
+
+class Unsupported(UsageError):
+    """An operation this kind of instance cannot do (pins with no engine, TTLs on coordinator pins)."""
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What an eviction takes: a prompt's chunks (`tokens`), given chunk keys, or (neither) every chunk
+    of `model` on the selected tiers. `tiers` None means every tier the instance has."""
+
+    tokens: tuple[int, ...] | None = None
+    keys: tuple[str, ...] | None = None
+    tiers: tuple[str, ...] | None = None
+    force: bool = False
+    model: str | None = None
+
+    @property
+    def whole_tiers(self) -> bool:
+        return self.tokens is None and self.keys is None
+
+    def chosen(self, present: Sequence[str]) -> list[str]:
+        """The selected tiers among those present ("all" or none given: every one)."""
+        return list(present) if not self.tiers or "all" in self.tiers else [t for t in self.tiers if t in present]
+
+    def missing(self, present: Sequence[str]) -> list[str]:
+        return [] if not self.tiers else [t for t in self.tiers if t != "all" and t not in present]
+
+
+@dataclass
+class EvictionPlan:
+    """Per tier: how many chunks go (`removed`), how many stay because a pin holds them
+    (`skipped_pinned`) or LMCache itself does (`held_by_lmcache`), and exactly which (`chunks`).
+    A plan is a dry run until `execute()`, which returns the result in the same shape."""
+
+    removed: dict[str, int] = field(default_factory=dict)
+    skipped_pinned: dict[str, int] = field(default_factory=dict)
+    chunks: list[dict[str, str]] = field(default_factory=list)  # {"tier", "key"}
+    held_by_lmcache: dict[str, int] | None = None
+    dry_run: bool = True
+    remove: Callable[[str, list[str]], EvictionPlan] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def total(self) -> int:
+        return sum(self.removed.values())
+
+    def add(self, other: EvictionPlan) -> None:
+        """Fold another part's counts and chunks into this one (ranks, tiers)."""
+        for name in ("removed", "skipped_pinned", "held_by_lmcache"):
+            counts = getattr(other, name)
+            if counts is None:
+                continue
+            mine = getattr(self, name)
+            if mine is None:
+                mine = {}
+                setattr(self, name, mine)
+            for tier, count in counts.items():
+                mine[tier] = mine.get(tier, 0) + count
+        self.chunks.extend(other.chunks)
+
+    def execute(self) -> EvictionPlan:
+        """Remove exactly the planned chunks, tier by tier (chunks written since the plan are not
+        taken); what got held since is kept and counted."""
+        if self.remove is None:
+            raise RuntimeError("this plan has no way to remove its chunks")
+        by_tier: dict[str, list[str]] = {}
+        for chunk in self.chunks:
+            by_tier.setdefault(chunk["tier"], []).append(chunk["key"])
+        done = EvictionPlan(dict.fromkeys(self.removed, 0), dict(self.skipped_pinned), [],
+                            None if self.held_by_lmcache is None else dict(self.held_by_lmcache), dry_run=False)
+        for tier, keys in by_tier.items():
+            answer = self.remove(tier, keys)
+            done.removed[tier] = answer.removed.get(tier, 0)
+            done.add(EvictionPlan({}, answer.skipped_pinned, answer.chunks, answer.held_by_lmcache))
+        return done
+
+    def as_dict(self) -> dict[str, Any]:
+        answer: dict[str, Any] = {"dry_run": self.dry_run, "removed": self.removed,
+                                  "skipped_pinned": self.skipped_pinned}
+        if self.held_by_lmcache is not None:
+            answer["held_by_lmcache"] = self.held_by_lmcache
+        answer["chunks"] = self.chunks
+        return answer
+
+    @classmethod
+    def from_dict(cls, answer: dict[str, Any], remove=None) -> EvictionPlan:
+        return cls(dict(answer.get("removed", {})), dict(answer.get("skipped_pinned", {})), list(answer["chunks"]),
+                   None if "held_by_lmcache" not in answer else dict(answer["held_by_lmcache"]),
+                   answer.get("dry_run", True), remove)
+
+
+@dataclass
+class Pin:
+    """A kvctl pin on an in-process instance, counted over every rank (`pinned`: chunks per tier)."""
+
+    pin_id: str
+    chunks: int
+    tokens: int
+    pinned: dict[str, int]
+    ttl_remaining_s: float | None = None
+    created: float | None = None
+    expires: float | None = None
+    ranks: int = 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"pin_id": self.pin_id, "chunks": self.chunks, "tokens": self.tokens, "created": self.created,
+                "expires": self.expires, "ttl_remaining_s": self.ttl_remaining_s, "pinned": self.pinned,
+                "ranks": self.ranks}
+
+
+@dataclass
+class CoordinatorPin:
+    """A pin or unpin through the LMCache coordinator (MP): it counts pins per key and has no ids."""
+
+    model: str
+    requested: int  # chunks of the prompt
+    affected: int  # keys pinned (every rank and object group)
+    status: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "requested": self.requested, "affected": self.affected, "status": self.status}
+
+
+@dataclass
+class PinnedKey:
+    """A key the coordinator holds pinned, with how many pins hold it."""
+
+    key: str
+    pin_count: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "pin_count": self.pin_count}
+
+
+@dataclass
+class PinList:
+    pins: list[Pin] | list[PinnedKey]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"pins": [pin.as_dict() for pin in self.pins]}
+
+
+@dataclass
+class Unpinned:
+    unpinned: list[Pin]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"unpinned": [pin.as_dict() for pin in self.unpinned]}
+
+
+class ChunkStore(Protocol):
+    """One tier's store read and written directly (a disk directory, Redis, an MP L2 store): only
+    canonical chunk keys count, so stray files and foreign Redis keys are never listed or removed."""
+
+    tier: str
+
+    def chunk_keys(self, model: str | None) -> list[str]:
+        """Every chunk key of `model` (None: of every model) the store holds."""
+
+    def held(self, keys: Sequence[str]) -> list[str]:
+        """Those of `keys` the store holds."""
+
+    def remove(self, keys: Sequence[str]) -> list[str]:
+        """Remove these chunks (every name each occupies); the keys actually removed."""
+
+
+def plan_store_eviction(stores: Sequence[ChunkStore], selection: Selection, model: str | None,
+                        wanted: Sequence[str] | None = None, pinned: frozenset[str] | set[str] = frozenset(),
+                        remove: Callable[[ChunkStore, list[str]], list[str]] | None = None) -> EvictionPlan:
+    """Plan an eviction over stores read directly. `wanted`: the selected chunk keys (a prompt's or
+    given ones; None: every chunk of `model`). Pinned keys stay unless `selection.force`. The plan's
+    execute() removes through `remove(store, keys)` (default: the store's own remove)."""
+    present = [store.tier for store in stores]
+    plan = EvictionPlan()
+    by_tier = {store.tier: store for store in stores}
+    for tier in selection.chosen(present):
+        store = by_tier[tier]
+        held = store.chunk_keys(model) if wanted is None else store.held(list(dict.fromkeys(wanted)))
+        going = [key for key in held if selection.force or key not in pinned]
+        plan.removed[tier], plan.skipped_pinned[tier] = len(going), len(held) - len(going)
+        plan.chunks.extend({"tier": tier, "key": key} for key in going)
+
+    def remove_keys(tier: str, keys: list[str]) -> EvictionPlan:
+        store = by_tier[tier]
+        gone = (remove or (lambda chosen, names: chosen.remove(names)))(store, keys)
+        return EvictionPlan({tier: len(gone)}, {tier: 0}, [{"tier": tier, "key": key} for key in gone], dry_run=False)
+
+    plan.remove = remove_keys
+    return plan
+
+
+class Instance(Protocol):
+    """What every cache command can ask of an instance."""
+
+    name: str
+    kind: str  # "inprocess", "mp", "offline": for messages, never for branching in the CLI
+
+    def model_name(self, model: str | None = None) -> str:
+        """The model whose keys a prompt makes here: `model`, or the one the instance serves."""
+
+    def tokenize(self, prompt: Any, model: str | None = None) -> list[int]:
+        """A PromptSource's token ids, tokenized as this instance's vLLM would."""
+
+    def lookup(self, tokens: list[int]) -> Any:
+        """A LookupResult: which chunks of the tokens each tier holds, and the hit tokens."""
+
+    def list(self, tiers: Sequence[str] | None, model: str | None, limit: int) -> Any:
+        """A Listing of the chunks per tier."""
+
+    def plan_eviction(self, selection: Selection) -> EvictionPlan: ...
+
+    def pin(self, tokens: list[int], ttl_s: float | None, tiers: Sequence[str] | None,
+            model: str | None = None) -> Pin | CoordinatorPin: ...
+
+    def unpin(self, *, pin_id: str | None = None, tokens: list[int] | None = None, everything: bool = False,
+              model: str | None = None) -> Unpinned | CoordinatorPin: ...
+
+    def pins(self, model: str | None = None) -> PinList: ...
+
+    def prefetch(self, tokens: list[int]) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class Selector:
+    """The selector flags every cache command takes, as given."""
+
+    instance: str | None = None
+    state: Path | None = None
+    config: Path | None = None
+    inventory: Path | None = None
+    vllm_url: str | None = None
+    coordinator: str | None = None
+    # what makes the keys of an instance with no engine to ask (OfflineInstance)
+    model: str | None = None
+    kv_dtype: str | None = None
+    world_size: int = 1
+    hash_seed: str | None = None
+
+    @property
+    def fleet(self) -> bool:
+        return self.instance == "all"
+
+
+def open_instance(selector: Selector, address=None) -> Instance:
+    """The instance the flags name: a configuration directory alone is an OfflineInstance; a running
+    one (an --instance name or URL, a state file, the most recent kvctl serve, or a fleet member's
+    `address`) is identified by asking it, and an MP server takes --config as its configuration."""
+    from dataclasses import replace
+
+    from kvctl.core import instances
+
+    if address is None:
+        if selector.config is not None and selector.instance is None:
+            from kvctl.core.offline import OfflineInstance
+
+            return OfflineInstance(selector.config, selector.model, selector.kv_dtype, selector.world_size,
+                                   selector.hash_seed, selector.vllm_url)
+        if selector.fleet:
+            raise UsageError("this command addresses one instance, not --instance all",
+                             hint="name one with --instance NAME")
+        address = instances.resolve(selector.instance, selector.state, selector.inventory)[0]
+    address = instances.identify(address)
+    if selector.vllm_url:
+        address = replace(address, vllm=selector.vllm_url)
+    if address.mode == "mp" or not address.worker:
+        from kvctl.core.mp_cache import MPInstance
+
+        if selector.config is not None:
+            address = replace(address, config_dir=str(selector.config))
+        return MPInstance(address, selector.coordinator)
+    from kvctl.core.inprocess import InProcessInstance
+
+    return InProcessInstance(address)
