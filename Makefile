@@ -2,13 +2,17 @@
 PY := .venv/bin/python
 KVCTL := .venv/bin/kvctl
 
-.PHONY: setup test lint run bench completions schema
+.PHONY: setup test test-fast lint run bench completions schema
 
 setup:
 	@./scripts/setup
 
 test: setup lint
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The in-memory layer, the pure functions and the commands: under a minute, no servers started.
+test-fast: setup
+	$(PY) -m pytest tests/unit tests/fast tests/cli -q $(PYTEST_ARGS)
 
 lint: setup
 	$(PY) -m ruff check .

@@ -41,7 +41,7 @@ _kvctl_complete() {
             "pin") valued=" --prompt-file --chat --tokens-file --model --vllm-url --ttl --tier --instance --state --inventory --timeout --coordinator --format " ;;
             "unpin") valued=" --pin-id --prompt-file --chat --tokens-file --model --vllm-url --instance --state --inventory --timeout --coordinator --format " ;;
             "pins") valued=" --instance --state --inventory --timeout --coordinator --model --format " ;;
-            "evict") valued=" --prompt-file --chat --tokens-file --key --tier --model --vllm-url --instance --state --inventory --timeout --coordinator --config --format " ;;
+            "evict") valued=" --prompt-file --chat --tokens-file --key --tier --model --vllm-url --instance --state --inventory --timeout --coordinator --config --kv-dtype --world-size --hash-seed --format " ;;
             "health") valued=" --instance --state --inventory --timeout --format " ;;
             "stats") valued=" --instance --state --inventory --timeout --format " ;;
             "top") valued=" --instance --state --inventory --timeout --interval --format " ;;
@@ -158,6 +158,9 @@ _kvctl_complete() {
             "evict|--timeout") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "evict|--coordinator") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "evict|--config") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "evict|--kv-dtype") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "evict|--world-size") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "evict|--hash-seed") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "evict|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
             "health|--instance") COMPREPLY=($(kvctl complete-values instances "$cur" 2>/dev/null)); return ;;
             "health|--state") COMPREPLY=($(compgen -f -- "$cur")); return ;;
@@ -214,7 +217,7 @@ _kvctl_complete() {
             "pin") words="--prompt-file --chat --tokens-file --model --vllm-url --ttl --tier --instance --state --inventory --timeout --coordinator --format --debug -q --quiet -h --help" ;;
             "unpin") words="--pin-id --prompt-file --chat --tokens-file --model --vllm-url --all --instance --state --inventory --timeout --coordinator --format --debug -q --quiet -h --help" ;;
             "pins") words="--instance --state --inventory --timeout --coordinator --model --format --debug -q --quiet -h --help" ;;
-            "evict") words="--prompt-file --chat --tokens-file --key --tier --all --dry-run --yes -y --force --model --vllm-url --instance --state --inventory --timeout --coordinator --config --format --debug -q --quiet -h --help" ;;
+            "evict") words="--prompt-file --chat --tokens-file --key --tier --all --dry-run --yes -y --force --model --vllm-url --instance --state --inventory --timeout --coordinator --config --kv-dtype --world-size --hash-seed --format --debug -q --quiet -h --help" ;;
             "health") words="--instance --state --inventory --timeout --format --debug -q --quiet -h --help" ;;
             "stats") words="--instance --state --inventory --timeout --format --debug -q --quiet -h --help" ;;
             "top") words="--instance --state --inventory --timeout --interval --once --format --debug -q --quiet -h --help" ;;

@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from kvctl.core.display import escape_controls
+
 
 def default_format() -> str:
     """Tables for a person at a terminal, JSON when stdout is piped."""
@@ -164,16 +166,11 @@ class Table:
         return table
 
 
-CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
-CONTROL_BUT_LINES = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
-
-
 def printable(text: str, lines: bool = True) -> str:
     """`text` with control characters (terminal escapes, bidi overrides; newlines and tabs too unless
-    `lines`) shown as \\xNN: a stored key or a server's message must never drive the terminal."""
-    return (CONTROL_BUT_LINES if lines else CONTROL).sub(
-        lambda match: f"\\x{ord(match.group()):02x}" if ord(match.group()) < 256 else f"\\u{ord(match.group()):04x}",
-        text)
+    `lines`) escaped as kvctl.core.display.escape_controls writes them: a stored key or a server's
+    message must never drive the terminal."""
+    return escape_controls(text, keep_lines=lines)
 
 
 def escape(text: str, lines: bool = True) -> str:

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from kvctl.cli import cache, completion, config, lookup, model, observe, prewarm, serve, version
+from kvctl.cli import cache, completion, config, evict, lookup, model, observe, prewarm, serve, version
 from kvctl.cli.options import OutputFormat
 from kvctl.core.errors import EXIT_CODE_MEANINGS, ExitCode, KvctlError
 from kvctl.output import Output
@@ -34,7 +34,7 @@ app.command("ls")(cache.ls)
 app.command("pin")(cache.pin)
 app.command("unpin")(cache.unpin)
 app.command("pins")(cache.pins)
-app.command("evict")(cache.evict)
+app.command("evict")(evict.evict)
 app.command("health")(observe.health)
 app.command("stats")(observe.stats)
 app.command("top")(observe.top)

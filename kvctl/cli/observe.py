@@ -7,6 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
+from kvctl.cli.fleet import report_errors
 from kvctl.cli.options import FleetInstance, InventoryOption, StateOption, TimeoutOption
 from kvctl.core.errors import ExitCode
 from kvctl.output import Table
@@ -52,16 +53,6 @@ def stats(ctx: typer.Context, instance: FleetInstance = None, state: StateOption
     ctx.obj.emit(payload, items)
     report_errors(ctx.obj, payload["instances"])
     raise typer.Exit(code)
-
-
-def report_errors(out, reports: list[dict[str, Any]]) -> None:
-    """One stderr line per failure: `instance: what failed: why`, with the hint of a failed instance."""
-    for report in reports:
-        for where, message in (report.get("errors") or {}).items():
-            if where == "instance":
-                out.error(f"{report['instance']}: {message}", report.get("hint"))
-            else:
-                out.error(f"{report['instance']}: {where}: {message}")
 
 
 def stats_frame(instance, state, inventory, timeout) -> tuple[dict[str, Any], list, ExitCode]:

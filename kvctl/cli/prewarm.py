@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import time
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from kvctl.cli.lookup import instance_target
-from kvctl.cli.options import PrefetchTier
-from kvctl.core.errors import ExitCode, KvctlError, UsageError
-from kvctl.core.lookup import read_tiers
+from kvctl.cli.fleet import open_one, selector
+from kvctl.cli.options import PrefetchTier, StateOption
+from kvctl.core.errors import ExitCode, UsageError
 from kvctl.output import Table
 
 
@@ -23,35 +20,36 @@ def prewarm(
     concurrency: Annotated[int, typer.Option(help="Requests in flight at once.")] = 4,
     from_tier: Annotated[PrefetchTier | None, typer.Option("--from-tier", help="Instead of prefilling, copy chunks "
                                                            "already stored on this tier into the CPU tier.")] = None,
-    instance: Annotated[str | None, typer.Option("--instance", help="A 'kvctl serve --name' name, or the internal "
-                                                 "API URL of worker 0 (in-process mode).")] = None,
+    instance: Annotated[str | None, typer.Option("--instance", help="A 'kvctl serve --name' or inventory name, or a "
+                                                 "URL (worker 0's internal API, or the lmcache server's HTTP "
+                                                 "API).")] = None,
     vllm_url: Annotated[str | None, typer.Option("--vllm-url", help="vLLM's OpenAI server URL.")] = None,
-    state: Annotated[Path | None, typer.Option("--state", help="The state file of a 'kvctl serve' (default: the "
-                                               "most recent one).")] = None,
+    state: StateOption = None,
 ) -> None:
     """Send prompts to vLLM as prefill-only requests (max_tokens 1), then report what is cached, per prompt."""
     from kvctl.clients.vllm import VLLMClient
-    from kvctl.core.prewarm import load_prompts
+    from kvctl.core.prewarm import cached_now, load_prompts, prefetch, prefill
 
     items = load_prompts(prompts, chat)
-    instance, config, vllm_url = instance_target(instance, state, vllm_url)
+    found = open_one(selector(instance, state, vllm_url=vllm_url, kv_dtype="bfloat16"))
+    vllm_url = found.address.vllm
     if not vllm_url:
         raise UsageError("which vLLM?", hint="pass --vllm-url, or start one with kvctl serve")
     out = ctx.obj
     with VLLMClient(vllm_url) as vllm:
         model = vllm.models()[0]
-        if from_tier is None:
-            outcomes, elapsed = _prefill(out, vllm_url, model, items, concurrency)
-        else:
-            outcomes, elapsed = _prefetch(out, vllm, model, items, instance, config)
+        with out.progress(len(items), "prefilling" if from_tier is None else "prefetching") as advance:
+            if from_tier is None:
+                outcomes, elapsed = prefill(vllm_url, model, items, concurrency,
+                                            lambda outcome: advance(outcome.prompt_tokens))
+            else:
+                outcomes, elapsed = prefetch(found, vllm, model, items, lambda outcome: advance(outcome.prompt_tokens))
         for outcome in outcomes:
             if outcome.error is None and not outcome.token_ids:
-                kwargs = {"messages": outcome.prompt.messages} if outcome.prompt.messages is not None else {
-                    "prompt": outcome.prompt.text}
-                outcome.token_ids = vllm.tokenize(model, **kwargs)
+                outcome.token_ids = vllm.tokenize(model, **outcome.prompt.request())
     rows, report = [], []
     for outcome in outcomes:
-        cached = _settled(outcome.token_ids, instance, config, model) if outcome.error is None else None
+        cached = cached_now(found, outcome.token_ids, model) if outcome.error is None else None
         entry = {"name": outcome.prompt.name, "prompt_tokens": outcome.prompt_tokens or len(outcome.token_ids),
                  "seconds": round(outcome.seconds, 3), "error": outcome.error, **(cached or {})}
         report.append(entry)
@@ -72,70 +70,3 @@ def prewarm(
         raise typer.Exit(ExitCode.PARTIAL if failed < len(report) else ExitCode.ERROR)
     if unknown:
         raise typer.Exit(ExitCode.PARTIAL)
-
-
-def _prefill(out, vllm_url, model, items, concurrency):
-    from kvctl.core.prewarm import prefill
-
-    with out.progress(len(items), "prefilling") as advance:
-        return prefill(vllm_url, model, items, concurrency, lambda outcome: advance(outcome.prompt_tokens))
-
-
-def _prefetch(out, vllm, model, items, instance, config):
-    """Copy already-stored chunks into the CPU tier: kvctl's prefetch route (in-process)."""
-    from kvctl.clients.internal_api import InternalAPIClient
-    from kvctl.core.prewarm import Outcome
-
-    if instance is None or config is not None:
-        raise UsageError("--from-tier needs an in-process instance with kvctl's routes",
-                         hint="MP mode prefetches on its own when vLLM looks a prompt up; use plain prewarm there")
-    outcomes = []
-    start = time.perf_counter()
-    with InternalAPIClient(instance) as worker, out.progress(len(items), "prefetching") as advance:
-        for item in items:
-            began = time.perf_counter()
-            kwargs = {"messages": item.messages} if item.messages is not None else {"prompt": item.text}
-            outcome = Outcome(item, token_ids=vllm.tokenize(model, **kwargs))
-            outcome.prompt_tokens = len(outcome.token_ids)
-            try:
-                worker.prefetch(outcome.token_ids)
-            except KvctlError as error:
-                outcome.error = error.message
-            outcome.seconds = time.perf_counter() - began
-            outcomes.append(outcome)
-            advance(outcome.prompt_tokens)
-    return outcomes, time.perf_counter() - start
-
-
-SETTLE_S = 10.0
-
-
-def _settled(token_ids, instance, config, model):
-    """What is cached once the server's asynchronous writes have landed: MP servers write L2 after
-    answering, so an offline lookup is repeated (up to SETTLE_S) until every chunk is on every tier."""
-    deadline = time.monotonic() + (0 if instance and config is None else SETTLE_S)
-    while True:
-        cached, everywhere = _cached(token_ids, instance, config, model)
-        if everywhere or time.monotonic() >= deadline:
-            return cached
-        time.sleep(0.5)
-
-
-def _cached(token_ids, instance, config, model):
-    """Chunks of the prompt now cached and where, from the same lookup `kvctl lookup` does; and whether
-    every chunk is on every tier looked at."""
-    if instance and config is None:
-        from kvctl.clients.internal_api import InternalAPIClient
-        from kvctl.core.lookup import engine_lookup
-
-        with InternalAPIClient(instance) as worker:
-            info = worker.info()
-        result = engine_lookup(instance, info, token_ids)
-    else:
-        from kvctl.core.target import target_from_config
-
-        result = read_tiers(token_ids, target_from_config(config, model, "bfloat16"), instance)
-    tiers = sorted({tier for chunk in result.chunks for tier in chunk.tiers}, key=("cpu", "disk", "redis").index)
-    everywhere = all(set(chunk.tiers) == set(result.tiers_checked) for chunk in result.chunks)
-    return {"chunks": len(result.chunks), "cached_chunks": sum(1 for chunk in result.chunks if chunk.tiers),
-            "hit_tokens": result.hit_tokens["total"], "tiers": tiers, "tier_errors": result.errors}, everywhere

@@ -84,7 +84,7 @@ def _announce_lmcache_env(out, plan) -> None:
 
 
 def _run(out, plan) -> None:
-    from kvctl.core.launch import remove_state, write_state
+    from kvctl.core.launch import offload_endpoint, remove_state, write_state
     from kvctl.core.supervisor import Supervisor
 
     supervisor = Supervisor(plan)
@@ -95,7 +95,7 @@ def _run(out, plan) -> None:
             _ensure_tiny_model(plan, update)
             pids = supervisor.start()
         if supervisor.stop_requested is None:
-            extra = _offload_endpoint(plan)
+            extra = offload_endpoint(plan)
             state_paths = write_state(plan, pids, extra)
             endpoints = {**plan.endpoints, **extra}
             out.emit({"name": plan.name, "mode": plan.mode, "model": plan.model, "endpoints": endpoints,
@@ -124,17 +124,6 @@ def _ensure_tiny_model(plan, update) -> None:
     if plan.model == str(models_dir() / "tiny"):
         update("building the tiny model")
         build_tiny_model(Path(plan.model))
-
-
-def _offload_endpoint(plan) -> dict:
-    """In-process mode: where worker 0's ZMQ offload server listens (its engine id is in /meta)."""
-    if plan.mode != "inprocess":
-        return {}
-    from kvctl.clients.internal_api import InternalAPIClient
-    from kvctl.clients.offload import offload_socket_path
-
-    with InternalAPIClient(plan.endpoints["internal_api"][1]) as worker:
-        return {"offload_socket": offload_socket_path(worker.meta().get("engine_id") or "default")}
 
 
 def _plan_lines(plan: dict) -> list[str]:

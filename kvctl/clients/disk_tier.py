@@ -17,13 +17,15 @@ class DiskTier:
         self._names: set[str] | None = None
 
     def names(self) -> set[str]:
-        """File names in the tier's directories (listed once; a missing directory holds nothing yet)."""
+        """Names of the files (and links) in the tier's directories, never subdirectories (listed once; a
+        missing directory holds nothing yet)."""
         if self._names is None:
             names: set[str] = set()
             for directory in self.directories:
                 try:
                     with os.scandir(directory) as entries:
-                        names.update(entry.name for entry in entries if entry.name.endswith(self.suffix))
+                        names.update(entry.name for entry in entries if entry.name.endswith(self.suffix)
+                                     and (entry.is_symlink() or entry.is_file(follow_symlinks=False)))
                 except FileNotFoundError:
                     continue
                 except PermissionError:

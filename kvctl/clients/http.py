@@ -9,10 +9,9 @@ import json
 import os
 from typing import Any
 
-from kvctl.core.errors import RejectedError, ServerError, UnreachableError
+from kvctl_plugins.wire import ERROR_CODE, ERROR_MESSAGE, PREFIX, TOKEN_VARIABLE  # the routes' contract
 
-KVCTL_ROUTES = "/kvctl/v1"
-TOKEN_VARIABLE = "KVCTL_ROUTES_TOKEN"  # the routes' bearer token, from the configuration's env.sh
+from kvctl.core.errors import RejectedError, ServerError, UnreachableError
 
 
 class HTTPClient:
@@ -52,9 +51,9 @@ class HTTPClient:
             payload = json.loads(text) if text else None
         except ValueError:
             payload = text
-        if response.status_code == 404 and path.startswith(KVCTL_ROUTES) and _is_route_missing(payload):
+        if response.status_code == 404 and path.startswith(PREFIX) and _is_route_missing(payload):
             raise RejectedError(f"{self.url} has no kvctl routes (HTTP 404 for {path})", hint=self.no_routes_hint)
-        if response.status_code == 401 and path.startswith(KVCTL_ROUTES):
+        if response.status_code == 401 and path.startswith(PREFIX):
             raise RejectedError(f"{self.url} wants a bearer token for kvctl's routes: {_message(payload)}",
                                 hint=f"set {TOKEN_VARIABLE} (source the configuration's env.sh) and retry")
         if 400 <= response.status_code < 500:
@@ -77,7 +76,8 @@ class HTTPClient:
 
 def _message(payload: Any) -> str:
     if isinstance(payload, dict):
-        return str(payload.get("message") or payload.get("detail") or payload.get("error") or payload)
+        # kvctl's routes answer {ERROR_CODE, ERROR_MESSAGE}; FastAPI's own refusals {"detail"}
+        return str(payload.get(ERROR_MESSAGE) or payload.get("detail") or payload.get(ERROR_CODE) or payload)
     return str(payload)[:300]
 
 

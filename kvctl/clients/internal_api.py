@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvctl.clients.http import KVCTL_ROUTES, HTTPClient
+from kvctl_plugins.wire import PREFIX
+
+from kvctl.clients.http import HTTPClient
 
 TIMEOUT_S = 10.0
 
@@ -60,18 +62,18 @@ class InternalAPIClient(HTTPClient):
     # -- kvctl routes --------------------------------------------------------------------------------
 
     def info(self) -> dict[str, Any]:
-        return self.request("GET", f"{KVCTL_ROUTES}/info")
+        return self.request("GET", f"{PREFIX}/info")
 
     def lookup(self, tokens: list[int]) -> dict[str, Any]:
-        return self.request("POST", f"{KVCTL_ROUTES}/lookup", {"tokens": tokens})
+        return self.request("POST", f"{PREFIX}/lookup", {"tokens": tokens})
 
     def keys(self, tier: str, offset: int = 0, limit: int = 100) -> dict[str, Any]:
-        return self.request("GET", f"{KVCTL_ROUTES}/keys", params={"tier": tier, "offset": offset, "limit": limit})
+        return self.request("GET", f"{PREFIX}/keys", params={"tier": tier, "offset": offset, "limit": limit})
 
     def pin(self, tokens: list[int], ttl_s: float | None = None, tiers: list[str] | None = None,
             pin_id: str | None = None) -> dict[str, Any]:
         body = {"tokens": tokens, "ttl_s": ttl_s, "tiers": tiers, "pin_id": pin_id}
-        return self.request("POST", f"{KVCTL_ROUTES}/pin", {k: v for k, v in body.items() if v is not None})
+        return self.request("POST", f"{PREFIX}/pin", {k: v for k, v in body.items() if v is not None})
 
     def unpin(self, pin_id: str | None = None, tokens: list[int] | None = None, everything: bool = False) -> dict:
         if everything:
@@ -80,16 +82,16 @@ class InternalAPIClient(HTTPClient):
             body = {"pin_id": pin_id}
         else:
             body = {"tokens": tokens}
-        return self.request("POST", f"{KVCTL_ROUTES}/unpin", body)
+        return self.request("POST", f"{PREFIX}/unpin", body)
 
     def pins(self) -> list[dict[str, Any]]:
-        return self.request("GET", f"{KVCTL_ROUTES}/pins")["pins"]
+        return self.request("GET", f"{PREFIX}/pins")["pins"]
 
     def evict(self, *, tokens: list[int] | None = None, keys: list[str] | None = None, tiers: list[str] | None = None,
               everything: bool = False, dry_run: bool = False, force: bool = False) -> dict[str, Any]:
         body = {"tokens": tokens, "keys": keys, "tiers": tiers, "all": everything, "dry_run": dry_run, "force": force}
-        return self.request("POST", f"{KVCTL_ROUTES}/evict", {k: v for k, v in body.items() if v not in (None, False)})
+        return self.request("POST", f"{PREFIX}/evict", {k: v for k, v in body.items() if v not in (None, False)})
 
     def prefetch(self, tokens: list[int]) -> dict[str, Any]:
-        return self.request("POST", f"{KVCTL_ROUTES}/prefetch", {"tokens": tokens})
+        return self.request("POST", f"{PREFIX}/prefetch", {"tokens": tokens})
 

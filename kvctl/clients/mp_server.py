@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvctl.clients.http import KVCTL_ROUTES, HTTPClient
+from kvctl_plugins.wire import PREFIX
+
+from kvctl.clients.http import HTTPClient
 
 TIMEOUT_S = 10.0
 
@@ -60,15 +62,15 @@ class MPServerClient(HTTPClient):
     # -- kvctl routes --------------------------------------------------------------------------------
 
     def info(self) -> dict[str, Any]:
-        return self.request("GET", f"{KVCTL_ROUTES}/info")
+        return self.request("GET", f"{PREFIX}/info")
 
     def keys(self, offset: int = 0, limit: int = 1000, model: str | None = None) -> dict[str, Any]:
         """A page of L1's objects ({"total", "next_offset", "keys": [{"key", "size", "locked"}]})."""
         params = {"tier": "cpu", "offset": offset, "limit": limit, "model": model}
-        return self.request("GET", f"{KVCTL_ROUTES}/keys", params={k: v for k, v in params.items() if v is not None})
+        return self.request("GET", f"{PREFIX}/keys", params={k: v for k, v in params.items() if v is not None})
 
     def lookup(self, tokens: list[int], model: str | None = None, world_size: int | None = None,
                cache_salt: str = "") -> dict[str, Any]:
         """Which chunks L1 holds, per chunk with its keys (every object group and rank)."""
         body = {"tokens": tokens, "model": model, "world_size": world_size, "cache_salt": cache_salt}
-        return self.request("POST", f"{KVCTL_ROUTES}/lookup", {k: v for k, v in body.items() if v})
+        return self.request("POST", f"{PREFIX}/lookup", {k: v for k, v in body.items() if v})

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvctl_plugins.wire import TOKEN_VARIABLE
+
 from kvctl import __version__
-from kvctl.clients.http import TOKEN_VARIABLE
 from kvctl.core import platform
 from kvctl.core.display import PATH_CHARS, shown
 from kvctl.core.errors import KvctlError, UsageError

@@ -37,13 +37,25 @@ def redact_url(text: str) -> str:
     return _SECRET_PARAMETER.sub(r"\1***", text) if "=" in text else text
 
 
+def escape_controls(text: str, keep_lines: bool = False) -> str:
+    """`text` with every character that is not printable written as Python writes it in a repr
+    (\\n, \\t, \\x1b, \\u202e, \\U000e0001): terminal escapes, C1 controls, bidi overrides and
+    isolates, zero-width and other format characters, line separators. With `keep_lines`, newlines
+    and tabs stay as they are (a multi-line message); a carriage return never does. Backslashes stay
+    as they are: the result is for a person, not to be parsed back."""
+    if text.isprintable():
+        return text
+    return "".join(char if char.isprintable() or (keep_lines and char in "\n\t")
+                   else char.encode("unicode_escape").decode("ascii") for char in text)
+
+
 def shown(value: Any, limit: int = SHOWN_CHARS, quoted: bool = False) -> str:
     """`value` (its repr unless a plain string, or with `quoted`) for a message: passwords redacted,
     control characters escaped, at most `limit` characters (cut with an ellipsis)."""
     text = redact_url(repr(value) if quoted or not isinstance(value, str) else value)
     pieces, length = [], 0
     for char in text:
-        piece = char if char.isprintable() else char.encode("unicode_escape").decode("ascii")
+        piece = escape_controls(char)  # one character at a time: the cut never splits an escape
         if length + len(piece) > limit:
             while length + 1 > limit:  # room for the ellipsis
                 length -= len(pieces.pop())

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
-from kvctl.core.keys import parse_key
+from kvctl.core.keys import given_chunk_keys, parse_key
 
 ROUTE_BATCH = 10_000  # keys per evict request: well inside the routes' body cap
 
@@ -97,7 +97,7 @@ def evict(worker0: str, *, tiers: list[str] | None, everything: bool, dry_run: b
         chosen = present if not tiers or "all" in tiers else tiers
         direct = ["redis"] if "redis" in chosen and "redis" in present else []
         routed = [tier for tier in chosen if tier not in direct]
-        keys = _chunk_keys(selection.pop("keys")) if "keys" in selection else None
+        keys = given_chunk_keys(selection.pop("keys")) if "keys" in selection else None
         if routed:
             for rank, worker in enumerate(workers):
                 if keys is None:
@@ -150,11 +150,92 @@ def _batches(keys: list[str]) -> Iterator[list[str]]:
         yield keys[start:start + ROUTE_BATCH]
 
 
-def _chunk_keys(keys: list[str]) -> list[str]:
-    from kvctl.core.errors import UsageError
+class InProcessInstance:
+    """A running in-process engine: kvctl's routes on every worker answer for the CPU and disk tiers
+    and for pins; Redis is read and written directly (see `evict`)."""
 
-    bad = [key for key in keys if parse_key(key) is None]
-    if bad:
-        raise UsageError(f"not an LMCache chunk key: {bad[0]!r}",
-                         hint="keys read model@world_size@worker@hash@dtype; kvctl ls and kvctl keys print them")
-    return list(dict.fromkeys(keys))
+    kind = "inprocess"
+
+    def __init__(self, address) -> None:
+        self.address = address
+        self.name = address.name
+        self.worker0 = address.worker
+        self.notes: list[str] = []
+        self._info: dict[str, Any] | None = None
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """Worker 0's description of the engine (model, chunk size, tiers, world size), asked once."""
+        if self._info is None:
+            from kvctl.clients.internal_api import InternalAPIClient
+
+            with InternalAPIClient(self.worker0) as worker:
+                self._info = worker.info()
+        return self._info
+
+    def model_name(self, model: str | None = None) -> str:
+        return model or self.info["model"]
+
+    def tokenize(self, prompt, model: str | None = None) -> list[int]:
+        from kvctl.core.tokens import local_model_dir
+
+        return prompt.token_ids(model or local_model_dir(self.info["model"]), self.address.vllm, self.info["model"])
+
+    settle_s = 0.0  # the engine's own answer is current
+
+    def lookup(self, tokens: list[int], model: str | None = None):
+        """Every worker's answer (the engine's own keys: `model` is its model)."""
+        from kvctl.core.lookup import engine_lookup
+
+        return engine_lookup(self.worker0, self.info, tokens)
+
+    def list(self, tiers, model: str | None, limit: int):
+        from kvctl.clients.internal_api import InternalAPIClient
+        from kvctl.core.listing import collect, engine_listers
+
+        with InternalAPIClient(self.worker0) as worker:
+            return collect(engine_listers(worker, self.info, tiers, limit, model))
+
+    def plan_eviction(self, selection):
+        from kvctl.core.instance import EvictionPlan
+
+        chosen: dict[str, Any] = {"tiers": list(selection.tiers) if selection.tiers else None,
+                                  "force": selection.force, "everything": selection.whole_tiers}
+        if selection.tokens is not None:
+            chosen["tokens"] = list(selection.tokens)
+        elif selection.keys is not None:
+            chosen["keys"] = list(selection.keys)
+
+        def remove(tier: str, keys: list[str]) -> EvictionPlan:
+            return EvictionPlan.from_dict(evict(self.worker0, dry_run=False, tiers=[tier], everything=False,
+                                                keys=keys, force=selection.force))
+
+        return EvictionPlan.from_dict(evict(self.worker0, dry_run=True, **chosen), remove)
+
+    def pin(self, tokens: list[int], ttl_s: float | None, tiers, model: str | None = None):
+        return _typed_pin(pin(self.worker0, tokens, ttl_s, list(tiers) if tiers else None))
+
+    def unpin(self, *, pin_id: str | None = None, tokens: list[int] | None = None, everything: bool = False,
+              model: str | None = None):
+        from kvctl.core.instance import Unpinned
+
+        released = unpin(self.worker0, pin_id=pin_id, tokens=tokens, everything=everything)
+        return Unpinned([_typed_pin(entry) for entry in released["unpinned"]])
+
+    def pins(self, model: str | None = None):
+        from kvctl.core.instance import PinList
+
+        return PinList([_typed_pin(entry) for entry in pins(self.worker0)])
+
+    def prefetch(self, tokens: list[int]) -> dict[str, Any]:
+        from kvctl.clients.internal_api import InternalAPIClient
+
+        with InternalAPIClient(self.worker0) as worker:
+            return worker.prefetch(tokens)
+
+
+def _typed_pin(entry: dict[str, Any]):
+    from kvctl.core.instance import Pin
+
+    return Pin(entry["pin_id"], entry["chunks"], entry["tokens"], entry["pinned"], entry.get("ttl_remaining_s"),
+               entry.get("created"), entry.get("expires"), entry.get("ranks", 1))

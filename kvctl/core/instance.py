@@ -226,7 +226,10 @@ class Instance(Protocol):
     def tokenize(self, prompt: Any, model: str | None = None) -> list[int]:
         """A PromptSource's token ids, tokenized as this instance's vLLM would."""
 
-    def lookup(self, tokens: list[int]) -> Any:
+    settle_s: float  # how long a report after a write waits for it to land on every tier
+    notes: list[str]  # what the last operation could not look at, and why
+
+    def lookup(self, tokens: list[int], model: str | None = None) -> Any:
         """A LookupResult: which chunks of the tokens each tier holds, and the hit tokens."""
 
     def list(self, tiers: Sequence[str] | None, model: str | None, limit: int) -> Any:
@@ -285,6 +288,11 @@ def open_instance(selector: Selector, address=None) -> Instance:
                              hint="name one with --instance NAME")
         address = instances.resolve(selector.instance, selector.state, selector.inventory)[0]
     address = instances.identify(address)
+    if selector.config is not None and address.mode != "mp" and len(address.internal_api) == 1:
+        from kvctl.core.target import read_deployment
+
+        if read_deployment(selector.config).mode == "mp":  # a URL that did not say what it is, of an MP config
+            address = replace(address, mode="mp", internal_api=[], mp_http=address.internal_api[0])
     if selector.vllm_url:
         address = replace(address, vllm=selector.vllm_url)
     if address.mode == "mp" or not address.worker:
@@ -292,7 +300,7 @@ def open_instance(selector: Selector, address=None) -> Instance:
 
         if selector.config is not None:
             address = replace(address, config_dir=str(selector.config))
-        return MPInstance(address, selector.coordinator)
+        return MPInstance(address, selector)
     from kvctl.core.inprocess import InProcessInstance
 
     return InProcessInstance(address)

@@ -224,6 +224,19 @@ def fan_out(instances: list[Address], operation: Callable[[Address], Any],
     return [outcomes[instance.name] for instance in instances]
 
 
+@dataclass
+class FleetReport:
+    """One operation's outcome on every member of a fleet: a report per member and one exit code."""
+
+    outcomes: list[Outcome]
+
+    def succeeded(self) -> list[Outcome]:
+        return [outcome for outcome in self.outcomes if outcome.error is None]
+
+    def reports_and_code(self) -> tuple[list[dict], ExitCode]:
+        return fleet_reports(self.outcomes, lambda result: result.as_dict() if hasattr(result, "as_dict") else result)
+
+
 def fleet_reports(outcomes: list[Outcome], payload: Callable[[Any], dict[str, Any]]) -> tuple[list[dict], ExitCode]:
     """One JSON report per member (its payload, or its failure with the hint), and the exit code of the
     whole: a member that answered only in part (its own `errors`) makes the whole partial."""

@@ -22,9 +22,9 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-from kvctl.core.errors import KvctlError
+from kvctl.core.errors import KvctlError, UsageError
 
 INPROCESS_ALGORITHMS = ("builtin", "sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 MP_ALGORITHMS = ("blake3", "sha256_cbor")  # builtin exists but cannot give stable keys
@@ -307,14 +307,48 @@ def parse_object_key(text: str) -> ObjectKey | None:
     server writes, so that stray files and foreign Redis keys that look alike are never taken for chunks."""
     fs_form = text.endswith(".data")
     parts = text.removesuffix(".data").split("@")
-    if len(parts) not in (4, 5) or not parts[0]:
-        return None
-    model, rank, group, chunk_hash = parts[:4]
-    if fs_form:
-        if not rank.startswith("0x"):
-            return None
-        model, rank = model.replace("-SEP-", "/"), rank[2:]
-    salt = parts[4] if len(parts) == 5 else ""
-    if not (MP_RANK(rank) and MP_GROUP(group) and MP_HASH(chunk_hash) and (not salt or MP_SALT(salt))):
-        return None
-    return ObjectKey(bytes.fromhex(chunk_hash), model, int(rank, 16), int(group, 16), salt)
+    for fields in (3, 4):  # read from the right: a model name may itself contain '@'
+        if len(parts) <= fields:
+            continue
+        model, (rank, group, chunk_hash, *salted) = "@".join(parts[:-fields]), parts[-fields:]
+        salt = salted[0] if salted else ""
+        if fs_form:
+            if not rank.startswith("0x"):
+                continue
+            model, rank = model.replace("-SEP-", "/"), rank[2:]
+        if model and MP_RANK(rank) and MP_GROUP(group) and MP_HASH(chunk_hash) and (not salted or MP_SALT(salt)):
+            return ObjectKey(bytes.fromhex(chunk_hash), model, int(rank, 16), int(group, 16), salt)
+    return None
+
+
+def prompt_chunk_keys(tokens: Sequence[int], recipe: KeyRecipe | MPKeyRecipe) -> list[dict[str, Any]]:
+    """Per chunk of a prompt: its token range and the key of every rank (MP: every kv rank's object),
+    as `kvctl keys` prints them."""
+    bounds = chunk_bounds(len(tokens), recipe.chunk_size, getattr(recipe, "save_unfull_chunk", False))
+    if isinstance(recipe, MPKeyRecipe):
+        per_chunk = [[key.native_key() for key in ranks] for ranks in mp_object_keys(tokens, recipe)]
+    else:
+        per_chunk = [[key_string(recipe.for_worker(worker), chunk_hash) for worker in range(recipe.world_size)]
+                     for chunk_hash in chunk_hashes(tokens, recipe)]
+    return [{"index": i, "start": start, "end": end, "keys": ranks}
+            for i, ((start, end), ranks) in enumerate(zip(bounds, per_chunk))]
+
+
+def given_chunk_keys(keys: Sequence[str]) -> list[str]:
+    """Chunk keys a user typed, each once; refused unless every one is canonical (a typo must not
+    select nothing silently, nor something else)."""
+    bad = [key for key in keys if parse_key(key) is None]
+    if bad:
+        raise UsageError(f"not an LMCache chunk key: {bad[0]!r}",
+                         hint="keys read model@world_size@worker@hash@dtype; kvctl ls and kvctl keys print them")
+    return list(dict.fromkeys(keys))
+
+
+def given_object_keys(keys: Sequence[str]) -> list[ObjectKey]:
+    """MP object keys a user typed, each once; refused unless every one is canonical."""
+    parsed = [parse_object_key(key) for key in keys]
+    bad = [key for key, found in zip(keys, parsed) if found is None]
+    if bad:
+        raise UsageError(f"not an MP chunk key: {bad[0]!r}",
+                         hint="MP keys read model@kv_rank@group@hash[@salt]; kvctl ls and kvctl keys print them")
+    return list(dict.fromkeys(parsed))

@@ -368,3 +368,14 @@ def read_state(path: Path | None = None, instance: str | None = None) -> dict[st
     except ValueError:
         raise KvctlError(f"{path} is not a kvctl state file",
                          hint="pass --state with the file kvctl serve wrote") from None
+
+
+def offload_endpoint(plan) -> dict:
+    """In-process mode: where worker 0's ZMQ offload server listens (its engine id is in /meta)."""
+    if plan.mode != "inprocess":
+        return {}
+    from kvctl.clients.internal_api import InternalAPIClient
+    from kvctl.clients.offload import offload_socket_path
+
+    with InternalAPIClient(plan.endpoints["internal_api"][1]) as worker:
+        return {"offload_socket": offload_socket_path(worker.meta().get("engine_id") or "default")}

@@ -14,10 +14,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvctl_plugins.wire import MAX_PAGE as ENGINE_PAGE  # the routes' largest page (in-process and MP alike)
+
 from kvctl.core.keys import ObjectKey, parse_key, parse_object_key
 from kvctl.core.target import DISK_SUFFIXES, REDIS_PATTERNS, REDIS_SUFFIXES, Store
 
-ENGINE_PAGE = 10_000  # the routes' largest page (in-process and MP alike)
 EVERYTHING = 2**62
 
 
@@ -249,25 +250,6 @@ def stored_redis_keys(store: Store, keys: list[str]) -> list[str]:
                 if held]
 
 
-def execute_plan(plan: dict[str, Any], evict_keys) -> dict[str, Any]:
-    """Remove exactly the chunks a dry run planned (and the user confirmed), tier by tier through
-    `evict_keys(tier, keys) -> result`: chunks written since the plan are not taken."""
-    by_tier: dict[str, list[str]] = {}
-    for chunk in plan["chunks"]:
-        by_tier.setdefault(chunk["tier"], []).append(chunk["key"])
-    result = {**plan, "dry_run": False, "removed": dict.fromkeys(plan["removed"], 0), "chunks": []}
-    kept = ("skipped_pinned", "held_by_lmcache")  # what the plan kept, plus what got held since
-    for tier, keys in by_tier.items():
-        answer = evict_keys(tier, keys)
-        result["removed"][tier] = answer["removed"].get(tier, 0)
-        for counts in kept:
-            if counts in answer:
-                result[counts] = {**result.get(counts, {}), tier: result.get(counts, {}).get(tier, 0)
-                                  + answer[counts].get(tier, 0)}
-        result["chunks"].extend(answer["chunks"])
-    return result
-
-
 def store_listers(stores: list[Store], tiers: list[str] | None, limit: int, model: str | None) -> dict[str, Any]:
     return {store.tier: store_lister(store, limit, model) for store in stores if selected(store.tier, tiers)}
 
@@ -281,22 +263,3 @@ def config_stores(config_dir) -> list[Store]:
     from kvctl.core.target import read_deployment
 
     return read_deployment(config_dir).stores if config_dir else []
-
-
-def list_instance(instance, tiers: list[str] | None, limit: int, model: str | None) -> Listing:
-    """A running instance's tiers: through its engine's routes (in-process); an MP server's L1 through
-    its routes and the L2 stores of its configuration; else the configuration's stores."""
-    from kvctl.clients.internal_api import InternalAPIClient
-    from kvctl.core.instances import identify
-
-    instance = identify(instance)
-    if instance.mode != "mp" and instance.worker:
-        with InternalAPIClient(instance.worker) as worker:
-            return collect(engine_listers(worker, worker.info(), tiers, limit, model))
-    url = instance.mp_http
-    listers = {"cpu": lambda: from_mp_l1(url, limit, model)} if url and selected("cpu", tiers) else {}
-    listing = collect({**listers, **store_listers(config_stores(instance.config_dir), tiers, limit, model)})
-    if not instance.config_dir:
-        listing.notes.append("the MP server's L2 tiers were not listed: its configuration is unknown (pass --config "
-                             "with its 'kvctl config init' directory)")
-    return listing

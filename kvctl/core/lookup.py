@@ -14,6 +14,9 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from kvctl_plugins.wire import TIER_ORDER  # LMCache's tier order and hit rule, shared with the routes
+from kvctl_plugins.wire import hit_tokens as tier_hit_tokens
+
 from kvctl.core.errors import KvctlError
 from kvctl.core.keys import (
     INPROCESS_ALGORITHMS,
@@ -26,10 +29,10 @@ from kvctl.core.keys import (
     key_string,
     mp_object_keys,
     parse_key,
+    parse_object_key,
 )
 from kvctl.core.target import Store, Target
 
-TIER_ORDER = ("cpu", "disk", "redis")
 SCAN_LIMIT = 20000
 ALTERNATIVE_CHUNK_SIZES = (16, 32, 64, 128, 256, 512, 1024, 2048)
 
@@ -104,27 +107,6 @@ def display_keys(target: Target, tokens: Sequence[int]) -> list[str]:
     return [key_string(recipe, h) for h in chunk_hashes(tokens, recipe)]
 
 
-def lmcache_hit_chunks(presence: dict[str, list[bool]], order: Sequence[str] = TIER_ORDER) -> int:
-    """StorageManager.batched_contains: each tier in order serves a prefix of what is still missing."""
-    total = 0
-    for tier in order:
-        flags = presence.get(tier)
-        if flags is None:
-            continue
-        hit = 0
-        while total + hit < len(flags) and flags[total + hit]:
-            hit += 1
-        total += hit
-    return total
-
-
-def prefix_chunks(flags: list[bool]) -> int:
-    count = 0
-    while count < len(flags) and flags[count]:
-        count += 1
-    return count
-
-
 # -- the lookup ---------------------------------------------------------------------------------
 
 
@@ -160,8 +142,7 @@ def lookup(tokens: Sequence[int], target: Target, open_source: Callable[[Store],
     for chunk in chunks:
         chunk.tiers.sort(key=TIER_ORDER.index)
     sizes = [chunk.end - chunk.start for chunk in chunks]
-    hit_tokens = {tier: sum(sizes[:prefix_chunks(presence[tier])]) if tier in presence else 0 for tier in TIER_ORDER}
-    hit_tokens["total"] = sum(sizes[:lmcache_hit_chunks(presence)])
+    hit_tokens = tier_hit_tokens(presence, sizes)
     result = LookupResult(recipe.model_name, target.mode, recipe.chunk_size, len(tokens), chunks, hit_tokens,
                           [tier for tier in TIER_ORDER if tier in presence], errors)
     result.diagnostics = diagnose(tokens, target, result, sources)
@@ -216,8 +197,7 @@ def from_engine_answers(info: dict[str, Any], answers: list[dict[str, Any]],
     chunks = [Chunk(c["index"], c["start"], c["end"], c["key"],
                     [tier for tier in tiers_checked if presence[tier][c["index"]]]) for c in first["chunks"]]
     sizes = [chunk.end - chunk.start for chunk in chunks]
-    hit_tokens = {tier: sum(sizes[:prefix_chunks(presence[tier])]) if tier in presence else 0 for tier in TIER_ORDER}
-    hit_tokens["total"] = sum(sizes[:lmcache_hit_chunks(presence)])
+    hit_tokens = tier_hit_tokens(presence, sizes)
     return LookupResult(info["model"], "inprocess", info["chunk_size"], first["prompt_tokens"], chunks, hit_tokens,
                         tiers_checked, dict(errors))
 
@@ -398,13 +378,14 @@ def _diagnose_mp(tokens: Sequence[int], target: Target, sources: dict[str, Sourc
     if not names:
         return [Diagnostic("nothing_stored", "the L2 tiers checked hold no chunks at all",
                            "nothing was stored yet, or the server uses another directory or Redis")]
-    safe_model = recipe.model_name.replace("/", "-SEP-")
-    models = Counter(name.rsplit("@", 3)[0] for name in names if name.count("@") >= 3)
-    if recipe.model_name not in models and safe_model not in models:
+    # fs file names come without their ".data" here; a model name or salt may hold '@'
+    parsed = [key for key in (parse_object_key(name) or parse_object_key(name + ".data") for name in names) if key]
+    models = Counter(key.model_name for key in parsed)
+    if recipe.model_name not in models:
         top = ", ".join(f"{model!r}" for model, _ in models.most_common(3))
         return [Diagnostic("model_name_mismatch", f"no chunks under model name {recipe.model_name!r}; the tiers hold "
                            f"chunks of {top}", "pass --model with the value of vLLM's --model (MP keys use it as is)")]
-    stored_hashes = {name.split("@")[3] for name in names if name.count("@") >= 3}
+    stored_hashes = {key.chunk_hash.hex() for key in parsed if key.model_name == recipe.model_name}
     for chunk_size in ALTERNATIVE_CHUNK_SIZES:
         if chunk_size == recipe.chunk_size or chunk_size > len(tokens):
             continue

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvctl.core.errors import ServerError, UsageError
-from kvctl.core.keys import ObjectKey, parse_object_key
+from kvctl.core.keys import ObjectKey, given_object_keys, parse_object_key
 from kvctl.core.listing import disk_chunks, l1_entries, redis_tier_keys, stored_redis_keys
 from kvctl.core.target import Store
 
@@ -97,14 +97,7 @@ def _wanted(server, model: str | None, tokens: list[int] | None, keys: list[str]
     if tokens is not None:
         answer = server.lookup(tokens, model)
         return [ObjectKey.from_encoded(key) for chunk in answer["chunks"] for key in chunk["keys"]]
-    if keys is None:
-        return None
-    parsed = [parse_object_key(key) for key in keys]
-    bad = [key for key, found in zip(keys, parsed) if found is None]
-    if bad:
-        raise UsageError(f"not an MP chunk key: {bad[0]}",
-                         hint="MP keys read model@kv_rank@group@hash[@salt]; kvctl ls and kvctl keys print them")
-    return parsed
+    return None if keys is None else given_object_keys(keys)
 
 
 def _evict_l1(server, wanted: list[ObjectKey] | None, model: str | None, dry_run: bool, force: bool,
@@ -152,3 +145,127 @@ def _evict_l2(server, store: Store, wanted: list[ObjectKey] | None, model: str |
                               f"server's delete (first: {left[0]})", hint="check the LMCache server's log")
     result["removed"][store.tier], result["skipped_pinned"][store.tier] = len(going), len(held) - len(going)
     result["chunks"].extend({"tier": store.tier, "key": key} for key in going)
+
+
+class MPInstance:
+    """A running `lmcache server`: its L1 (cpu) through its HTTP API and kvctl's MP routes, its L2
+    stores from its configuration, pins through the LMCache coordinator (fleet-wide, L2 only)."""
+
+    kind = "mp"
+
+    def __init__(self, address, selector) -> None:
+        if not address.mp_http:
+            raise UsageError(f"the HTTP URL of the MP instance {address.name}'s server is unknown",
+                             hint="pass --instance with the lmcache server's HTTP URL")
+        self.address = address
+        self.selector = selector
+        self.name = address.name
+        self.notes: list[str] = []
+
+    def model_name(self, model: str | None = None) -> str:
+        from kvctl.clients.mp_server import MPServerClient
+
+        with MPServerClient(self.address.mp_http) as server:
+            return registered_model(server, model or self.address.model)[0]
+
+    def _world_size(self, model: str) -> int:
+        from kvctl.clients.mp_server import MPServerClient
+
+        with MPServerClient(self.address.mp_http) as server:
+            return registered_model(server, model)[1]
+
+    def tokenize(self, prompt, model: str | None = None) -> list[int]:
+        from kvctl.core.tokens import local_model_dir
+
+        name = self.model_name(model)
+        return prompt.token_ids(model or local_model_dir(name), self.address.vllm, name)
+
+    settle_s = 10.0  # the server writes L2 after answering: a report waits this long for every tier
+
+    def lookup(self, tokens: list[int], model: str | None = None):
+        """The L2 stores of the server's configuration read directly, joined by its L1 answer."""
+        from kvctl.core.lookup import read_tiers
+        from kvctl.core.target import MP_L1_UNCHECKED, target_from_config
+
+        if not self.address.config_dir:
+            raise UsageError(f"{self.address.mp_http} is an LMCache MP server: its lookup joins the L2 tiers of its "
+                             "configuration", hint="pass --config with the server's configuration directory too")
+        chosen = self.selector
+        target = target_from_config(self.address.config_dir, model or chosen.model or self.address.model,
+                                    chosen.kv_dtype, chosen.world_size, chosen.hash_seed)
+        self.notes = [note for note in target.notes if note != MP_L1_UNCHECKED]
+        return read_tiers(tokens, target, self.address.mp_http)
+
+    def list(self, tiers, model: str | None, limit: int):
+        from kvctl.core.listing import collect, config_stores, from_mp_l1, selected, store_listers
+
+        url, config_dir = self.address.mp_http, self.address.config_dir
+        listers = {"cpu": lambda: from_mp_l1(url, limit, model)} if selected("cpu", tiers) else {}
+        listing = collect({**listers, **store_listers(config_stores(config_dir), tiers, limit, model)})
+        if not config_dir:
+            listing.notes.append("the MP server's L2 tiers were not listed: its configuration is unknown (pass "
+                                 "--config with its 'kvctl config init' directory)")
+        return listing
+
+    def _coordinator(self, required: bool = True) -> str | None:
+        url = coordinator_url(self.selector.coordinator, self.address.config_dir, self.address.coordinator)
+        if required and not url:
+            raise UsageError(NO_COORDINATOR, hint=COORDINATOR_HINT)
+        return url
+
+    def plan_eviction(self, selection):
+        from kvctl.core.instance import EvictionPlan
+        from kvctl.core.listing import config_stores
+
+        target = MPTarget(self.address.mp_http, config_stores(self.address.config_dir),
+                          selection.model or self.address.model, self._coordinator(required=False))
+        chosen = {"tiers": list(selection.tiers) if selection.tiers else None, "force": selection.force,
+                  "keys": list(selection.keys) if selection.keys is not None else None,
+                  "tokens": list(selection.tokens) if selection.tokens is not None else None}
+
+        def remove(tier: str, keys: list[str]) -> EvictionPlan:
+            return EvictionPlan.from_dict(evict(target, dry_run=False, tiers=[tier], force=selection.force, keys=keys))
+
+        return EvictionPlan.from_dict(evict(target, dry_run=True, **chosen), remove)
+
+    def _pin_call(self, action: str, tokens: list[int], model: str | None):
+        from kvctl.clients.coordinator import CoordinatorClient
+        from kvctl.core.instance import CoordinatorPin, Unsupported
+
+        if self.selector.fleet:
+            raise Unsupported("MP pins live in the coordinator, for the whole fleet at once",
+                              hint="pin once with --instance NAME of one MP instance")
+        url = self._coordinator()
+        name = self.model_name(model)
+        with CoordinatorClient(url) as client:
+            answer = getattr(client, action)(name, tokens, self._world_size(name))
+        return CoordinatorPin(name, answer["requested"], answer["affected"], answer["status"])
+
+    def pin(self, tokens: list[int], ttl_s: float | None, tiers, model: str | None = None):
+        from kvctl.core.instance import Unsupported
+
+        if ttl_s is not None or tiers:
+            raise Unsupported("MP pins (the coordinator's) hold a prompt's chunks in L2 until unpinned: no --ttl or "
+                              "--tier", hint="drop --ttl and --tier")
+        return self._pin_call("pin", tokens, model)
+
+    def unpin(self, *, pin_id: str | None = None, tokens: list[int] | None = None, everything: bool = False,
+              model: str | None = None):
+        from kvctl.core.instance import Unsupported
+
+        if pin_id or everything:
+            raise Unsupported("the LMCache coordinator unpins by prompt only (its pins have no ids)",
+                              hint="pass the prompt that was pinned (--prompt-file/--chat/--tokens-file)")
+        return self._pin_call("unpin", tokens, model)
+
+    def pins(self, model: str | None = None):
+        from kvctl.core.instance import PinList, PinnedKey
+
+        held = coordinator_pins(self._coordinator(), model)
+        return PinList([PinnedKey(pin["key"], pin["pin_count"]) for pin in held])
+
+    def prefetch(self, tokens: list[int]) -> dict[str, Any]:
+        from kvctl.core.instance import Unsupported
+
+        raise Unsupported("--from-tier needs an in-process instance with kvctl's routes",
+                          hint="MP mode prefetches on its own when vLLM looks a prompt up; use plain prewarm there")

@@ -20,6 +20,10 @@ class Prompt:
     text: str | None = None
     messages: list[dict[str, Any]] | None = None
 
+    def request(self) -> dict[str, Any]:
+        """The prompt as vLLM's tokenize and completion endpoints take it."""
+        return {"messages": self.messages} if self.messages is not None else {"prompt": self.text}
+
 
 @dataclass
 class Outcome:
@@ -128,3 +132,43 @@ def prefill(url: str, model: str, prompts: list[Prompt], concurrency: int,
     if concurrency < 1:
         raise UsageError("--concurrency must be at least 1", hint="e.g. --concurrency 4")
     return asyncio.run(_prefill_all(url, model, prompts, concurrency, on_done))
+
+
+def prefetch(instance, vllm, model: str, prompts: list[Prompt],
+             on_done: Callable[[Outcome], None] | None = None) -> tuple[list[Outcome], float]:
+    """Copy chunks already stored on a lower tier into the CPU tier, prompt by prompt (tokenized by vLLM)."""
+    from kvctl.core.instance import Unsupported
+
+    outcomes = []
+    start = time.perf_counter()
+    for prompt in prompts:
+        began = time.perf_counter()
+        outcome = Outcome(prompt, token_ids=vllm.tokenize(model, **prompt.request()))
+        outcome.prompt_tokens = len(outcome.token_ids)
+        try:
+            instance.prefetch(outcome.token_ids)
+        except Unsupported:
+            raise  # the instance cannot prefetch at all: one usage error, not one per prompt
+        except KvctlError as error:
+            outcome.error = error.message
+        outcome.seconds = time.perf_counter() - began
+        outcomes.append(outcome)
+        if on_done:
+            on_done(outcome)
+    return outcomes, time.perf_counter() - start
+
+
+def cached_now(instance, token_ids: list[int], model: str) -> dict[str, Any]:
+    """What of a prompt is cached and where, from the same lookup `kvctl lookup` does, once the
+    instance's asynchronous writes have landed: repeated (up to its `settle_s`) until every chunk is
+    on every tier looked at."""
+    deadline = time.monotonic() + instance.settle_s
+    while True:
+        result = instance.lookup(token_ids, model)
+        everywhere = all(set(chunk.tiers) == set(result.tiers_checked) for chunk in result.chunks)
+        if everywhere or time.monotonic() >= deadline:
+            tiers = sorted({tier for chunk in result.chunks for tier in chunk.tiers},
+                           key=("cpu", "disk", "redis").index)
+            return {"chunks": len(result.chunks), "cached_chunks": sum(1 for chunk in result.chunks if chunk.tiers),
+                    "hit_tokens": result.hit_tokens["total"], "tiers": tiers, "tier_errors": result.errors}
+        time.sleep(0.5)

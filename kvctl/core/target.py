@@ -113,12 +113,6 @@ def target_from_config(config: str | os.PathLike, model: str | None, kv_dtype: s
                          hint="pass --model with the value of vLLM's --model (a directory or a hub id)")
     seed = hash_seed if hash_seed is not None else deployment.env.get("PYTHONHASHSEED")
     model_dir = model if Path(model).is_dir() else None
-    if kv_dtype:
-        dtype = dtype_name(kv_dtype)
-    elif model_dir:
-        dtype = kv_dtype_for_model(model_dir)
-    else:
-        raise UsageError(f"cannot tell the KV dtype of {model!r} (not a local directory)", hint="pass --kv-dtype")
     notes = list(deployment.notes)
     if seed is None:
         notes.append("no PYTHONHASHSEED known for the serving process (env.sh sets none); assuming it was unset")
@@ -128,6 +122,12 @@ def target_from_config(config: str | os.PathLike, model: str | None, kv_dtype: s
         recipe = MPKeyRecipe(model, settings.get("chunk_size", flags["chunk_size"]["default"]),
                              settings.get("hash_algorithm", flags["hash_algorithm"]["default"]), seed, world_size)
         return Target("mp", recipe, deployment.stores, model_dir, notes)
+    if kv_dtype:  # in-process keys name the KV dtype; MP keys do not
+        dtype = dtype_name(kv_dtype)
+    elif model_dir:
+        dtype = kv_dtype_for_model(model_dir)
+    else:
+        raise UsageError(f"cannot tell the KV dtype of {model!r} (not a local directory)", hint="pass --kv-dtype")
     recipe = KeyRecipe(model, settings["chunk_size"], settings["pre_caching_hash_algorithm"], seed, True,
                        settings["save_unfull_chunk"], world_size, 0, dtype)
     return Target("inprocess", recipe, deployment.stores, model_dir, notes)

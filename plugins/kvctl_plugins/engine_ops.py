@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvctl_plugins import protocol
+from kvctl_plugins import protocol, wire
 from kvctl_plugins.protocol import BadRequest, NotFound
 
 PINNABLE = ("cpu", "disk")  # remote tiers have no pins in LMCache 0.5.6 (no-ops)
@@ -73,30 +73,17 @@ def parse_keys(texts: Any) -> list[Any]:
 def lookup(engine, tokens: list[int]) -> dict[str, Any]:
     chunks = chunk_keys(engine, tokens)
     order = backends(engine)
+    tiers = [tier for tier, _, _ in order]  # LMCache's lookup order: the walk the hit total follows
     presence = {tier: [backend.contains(key, False) for _, _, key in chunks] for tier, _, backend in order}
     sizes = [end - start for start, end, _ in chunks]
-    hit_tokens = {tier: _prefix_tokens(flags, sizes) for tier, flags in presence.items()}
-    total = 0
-    for tier, _, _ in order:  # StorageManager.batched_contains: each tier serves the next prefix
-        flags = presence[tier]
-        while total < len(flags) and flags[total]:
-            total += 1
-    hit_tokens["total"] = sum(sizes[:total])
     return {
         "prompt_tokens": len(tokens),
         "chunks": [{"index": i, "start": start, "end": end, "key": key.to_string(),
-                    "tiers": [tier for tier, _, _ in order if presence[tier][i]]}
+                    "tiers": [tier for tier in tiers if presence[tier][i]]}
                    for i, (start, end, key) in enumerate(chunks)],
-        "hit_tokens": hit_tokens,
-        "tiers_checked": [tier for tier, _, _ in order],
+        "hit_tokens": wire.hit_tokens(presence, sizes, tiers),
+        "tiers_checked": tiers,
     }
-
-
-def _prefix_tokens(flags: list[bool], sizes: list[int]) -> int:
-    count = 0
-    while count < len(flags) and flags[count]:
-        count += 1
-    return sum(sizes[:count])
 
 
 def info(engine, pins: PinRegistry) -> dict[str, Any]:

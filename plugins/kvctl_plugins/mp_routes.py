@@ -24,7 +24,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from kvctl_plugins import protocol
-from kvctl_plugins.protocol import PREFIX, BadRequest
+from kvctl_plugins.protocol import BadRequest
+from kvctl_plugins.wire import PREFIX
 
 HTTP_SERVER_MODULE = "lmcache.v1.multiprocess.http_server"
 router = APIRouter(prefix=PREFIX)

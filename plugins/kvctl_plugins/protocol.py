@@ -1,5 +1,6 @@
-"""The wire rules of kvctl's /kvctl/v1 routes, shared by the in-process routes (routes.py) and the MP
-server's (mp_routes.py).
+"""The request checks of kvctl's /kvctl/v1 routes, shared by the in-process routes (routes.py) and the
+MP server's (mp_routes.py); what kvctl's client must agree on (prefix, page cap, token variable,
+error body) is in wire.py, which imports nothing.
 
 Both servers are LMCache's, bound to 127.0.0.1 and without any authentication, so every request is
 checked before it reaches an engine: a loopback Host where the connection is on loopback (DNS
@@ -22,8 +23,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
-PREFIX = "/kvctl/v1"
-MAX_PAGE = 10_000
+from kvctl_plugins.wire import MAX_PAGE, TOKEN_VARIABLE, error_body
+
 MAX_BODY_BYTES = 16 * 1024 * 1024  # a 128K-token lookup is about 1 MiB of JSON
 MAX_TOKENS = 1024 * 1024
 MAX_TOKEN_ID = 2**31 - 1
@@ -31,7 +32,6 @@ MAX_KEYS = 100_000
 MAX_STRING = 4096
 MAX_TTL_S = 30 * 24 * 3600.0
 LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
-TOKEN_VARIABLE = "KVCTL_ROUTES_TOKEN"  # written to env.sh (0600) by `kvctl config init` for a non-loopback bind
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class NotJSON(Rejected):
 
 
 def error(status: int, code: str, message: str) -> JSONResponse:
-    return JSONResponse({"error": code, "message": message}, status_code=status)
+    return JSONResponse(error_body(code, message), status_code=status)
 
 
 async def serve(request: Request, engine: Any, operation: Callable[[Any, dict[str, Any]], Any],

@@ -15,8 +15,9 @@ from fastapi.responses import JSONResponse
 from kvctl_plugins import engine_ops, protocol
 from kvctl_plugins.engine_ops import PinRegistry
 from kvctl_plugins.protocol import BadRequest
+from kvctl_plugins.wire import PREFIX
 
-router = APIRouter(prefix=protocol.PREFIX)
+router = APIRouter(prefix=PREFIX)
 PINS = PinRegistry()
 NO_ENGINE = ("this process has no LMCache engine (a vLLM scheduler process); "
              "ask a worker's port (port_start + 1 + worker id)")

@@ -1,0 +1,122 @@
+"""`kvctl evict`: plan, confirm, execute. The instance plans (kvctl.core.instance.EvictionPlan), the
+user sees and confirms exactly that plan, and only the planned chunks are removed. A configuration
+directory alone (--config, no --instance) is evicted with no engine: its disk directory and Redis."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+from kvctl.cli.fleet import emit_fleet, open_one, run_fleet, selector
+from kvctl.cli.options import (
+    ChatFile,
+    ConfigOption,
+    CoordinatorOption,
+    FleetInstance,
+    HashSeed,
+    InventoryOption,
+    KvDtype,
+    ModelOption,
+    PromptFile,
+    StateOption,
+    TierOption,
+    TimeoutOption,
+    TokensFile,
+    VllmOption,
+    WorldSize,
+    tier_names,
+)
+from kvctl.core.errors import ExitCode, UsageError
+from kvctl.output import Table
+
+
+def evict(
+    ctx: typer.Context,
+    prompt_file: PromptFile = None, chat: ChatFile = None, tokens_file: TokensFile = None,
+    key: Annotated[list[str] | None, typer.Option("--key", help="A chunk key (repeatable).")] = None,
+    tier: TierOption = None,
+    everything: Annotated[bool, typer.Option("--all", help="Every chunk of the selected tiers (in Redis, in every MP "
+                                             "tier and with no engine: those of the model only).")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="List exactly what would be removed; remove "
+                                          "nothing.")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask (required when not on a terminal).")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Remove pinned chunks too (MP: locked L1 objects and "
+                                        "coordinator-pinned L2 chunks; with no engine: even while one of the "
+                                        "configuration runs).")] = False,
+    model: ModelOption = None, vllm_url: VllmOption = None, instance: FleetInstance = None, state: StateOption = None,
+    inventory: InventoryOption = None, timeout: TimeoutOption = 60.0,
+    coordinator: CoordinatorOption = None, config: ConfigOption = None,
+    kv_dtype: KvDtype = None, world_size: WorldSize = 1, hash_seed: HashSeed = None,
+) -> None:
+    """Remove chunks from the CPU, disk and Redis tiers: a prompt's, given keys, or a whole tier.
+
+    With --config DIR and no --instance, no engine is needed: the configuration's disk directory and
+    Redis (MP: its fs and resp L2 stores) are evicted directly, refused while an engine of it runs.
+    With --instance all, every instance of the inventory plans at once, one question covers them all,
+    and each evicts its own.
+    """
+    from kvctl.core.instance import Selection
+    from kvctl.core.tokens import PromptSource
+
+    prompt = PromptSource(prompt_file, chat, tokens_file)
+    if sum((prompt.given, bool(key), everything)) != 1 and not (tier and not prompt.given and not key):
+        raise UsageError("say what to evict: a prompt, --key, or --tier T / --all",
+                         hint="add --dry-run to see what would go first")
+    chosen = selector(instance, state, inventory, config, vllm_url, coordinator, model=model, kv_dtype=kv_dtype,
+                      world_size=world_size, hash_seed=hash_seed)
+
+    def plan(found):
+        tokens = tuple(found.tokenize(prompt, model)) if prompt.given else None
+        return found.plan_eviction(Selection(tokens, tuple(key) if key else None, tier_names(tier), force, model))
+
+    if chosen.fleet:
+        _evict_fleet(ctx.obj, chosen, plan, dry_run, yes, timeout)
+    planned = plan(open_one(chosen))
+    _confirm(planned.total, planned.removed, dry_run, yes)
+    result = planned.execute() if planned.total and not dry_run else planned
+    result.dry_run = dry_run
+    ctx.obj.emit(result.as_dict(), _eviction_tables(result))
+
+
+def _confirm(total: int, counts: dict[str, int], dry_run: bool, yes: bool) -> None:
+    """Ask before removing anything, or refuse off a terminal without --yes."""
+    if dry_run or total == 0 or yes:
+        return
+    if not sys.stdin.isatty():
+        raise UsageError(f"refusing to evict {total} chunks without --yes (not on a terminal)",
+                         hint="add --yes, or --dry-run to list them")
+    listed = ", ".join(f"{tier}: {n}" for tier, n in counts.items())
+    if not typer.confirm(f"evict {total} chunks ({listed})?", err=True):
+        raise typer.Exit(ExitCode.ERROR)
+
+
+def _eviction_tables(result, title: str | None = None) -> list:
+    rows = [(t, n, result.skipped_pinned.get(t, 0)) for t, n in result.removed.items()]
+    heading = "would evict (dry run)" if result.dry_run else "evicted"
+    return [Table(["tier", "chunks", "kept (pinned)"], rows, title=f"{title}: {heading}" if title else heading)]
+
+
+def _evict_fleet(out, chosen, plan, dry_run: bool, yes: bool, timeout: float) -> None:
+    """Plan on every instance at once, ask once for the total, then evict on each that planned."""
+    from collections import Counter
+
+    from kvctl.core.instances import Address, FleetReport, fan_out
+
+    planned = run_fleet(chosen, plan, timeout)
+    plans = {outcome.instance: outcome.result for outcome in planned.succeeded()}
+    counts: Counter = Counter()
+    for each in plans.values():
+        counts.update(each.removed)
+    _confirm(sum(counts.values()), dict(counts), dry_run, yes)
+    outcomes = planned.outcomes
+    if not dry_run and sum(counts.values()):
+        done = {o.instance: o for o in fan_out([Address(name) for name in plans],
+                                               lambda member: plans[member.name].execute(), timeout)}
+        outcomes = [done.get(outcome.instance, outcome) for outcome in outcomes]
+    for outcome in outcomes:
+        if outcome.error is None:
+            outcome.result.dry_run = dry_run
+    emit_fleet(out, FleetReport(outcomes), _eviction_tables, dry_run=dry_run)
+
