@@ -173,6 +173,10 @@ class InProcessInstance:
                 self._info = worker.info()
         return self._info
 
+    @property
+    def vllm_url(self) -> str | None:
+        return self.address.vllm
+
     def model_name(self, model: str | None = None) -> str:
         return model or self.info["model"]
 

@@ -226,6 +226,7 @@ class Instance(Protocol):
     def tokenize(self, prompt: Any, model: str | None = None) -> list[int]:
         """A PromptSource's token ids, tokenized as this instance's vLLM would."""
 
+    vllm_url: str | None  # the vLLM that serves through this instance, where known
     settle_s: float  # how long a report after a write waits for it to land on every tier
     notes: list[str]  # what the last operation could not look at, and why
 

@@ -162,6 +162,10 @@ class MPInstance:
         self.name = address.name
         self.notes: list[str] = []
 
+    @property
+    def vllm_url(self) -> str | None:
+        return self.address.vllm
+
     def model_name(self, model: str | None = None) -> str:
         from kvctl.clients.mp_server import MPServerClient
 

@@ -172,3 +172,54 @@ def cached_now(instance, token_ids: list[int], model: str) -> dict[str, Any]:
             return {"chunks": len(result.chunks), "cached_chunks": sum(1 for chunk in result.chunks if chunk.tiers),
                     "hit_tokens": result.hit_tokens["total"], "tiers": tiers, "tier_errors": result.errors}
         time.sleep(0.5)
+
+
+@dataclass
+class PrewarmReport:
+    """Per prompt: its tokens, time, error, and what of it is cached where afterwards."""
+
+    prompts: list[dict[str, Any]]
+    seconds: float
+
+    @property
+    def tokens(self) -> int:
+        return sum(entry["prompt_tokens"] for entry in self.prompts if entry["error"] is None)
+
+    @property
+    def failed(self) -> int:
+        return sum(1 for entry in self.prompts if entry["error"])
+
+    @property
+    def tier_errors(self) -> dict[str, str]:
+        """Tiers that could not say what they hold (the report is silent about them)."""
+        return {tier: message for entry in self.prompts for tier, message in entry.get("tier_errors", {}).items()}
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"prompts": self.prompts, "tokens": self.tokens, "seconds": round(self.seconds, 3),
+                "tokens_per_s": round(self.tokens / self.seconds, 1) if self.seconds else None, "failed": self.failed}
+
+
+def prewarm(instance, prompts: list[Prompt], concurrency: int, from_lower_tier: bool,
+            on_done: Callable[[Outcome], None] | None = None) -> PrewarmReport:
+    """Prefill the prompts through the instance's vLLM (or, `from_lower_tier`, prefetch what a lower
+    tier holds into the CPU tier), then look each one up as `kvctl lookup` would."""
+    from kvctl.clients.vllm import VLLMClient
+
+    url = instance.vllm_url
+    if not url:
+        raise UsageError("which vLLM?", hint="pass --vllm-url, or start one with kvctl serve")
+    with VLLMClient(url) as vllm:
+        model = vllm.models()[0]
+        if from_lower_tier:
+            outcomes, elapsed = prefetch(instance, vllm, model, prompts, on_done)
+        else:
+            outcomes, elapsed = prefill(url, model, prompts, concurrency, on_done)
+        for outcome in outcomes:
+            if outcome.error is None and not outcome.token_ids:
+                outcome.token_ids = vllm.tokenize(model, **outcome.prompt.request())
+    report = []
+    for outcome in outcomes:
+        cached = cached_now(instance, outcome.token_ids, model) if outcome.error is None else None
+        report.append({"name": outcome.prompt.name, "prompt_tokens": outcome.prompt_tokens or len(outcome.token_ids),
+                       "seconds": round(outcome.seconds, 3), "error": outcome.error, **(cached or {})})
+    return PrewarmReport(report, elapsed)
