@@ -78,6 +78,10 @@ def evict(
     result = planned.execute() if planned.total and not dry_run else planned
     result.dry_run = dry_run
     ctx.obj.emit(result.as_dict(), _eviction_tables(result))
+    for failed, message in result.errors.items():
+        ctx.obj.error(f"{failed} tier: {message}")
+    if result.errors:
+        raise typer.Exit(ExitCode.PARTIAL)
 
 
 def _confirm(total: int, counts: dict[str, int], dry_run: bool, yes: bool) -> None:
@@ -95,7 +99,11 @@ def _confirm(total: int, counts: dict[str, int], dry_run: bool, yes: bool) -> No
 def _eviction_tables(result, title: str | None = None) -> list:
     rows = [(t, n, result.skipped_pinned.get(t, 0)) for t, n in result.removed.items()]
     heading = "would evict (dry run)" if result.dry_run else "evicted"
-    return [Table(["tier", "chunks", "kept (pinned)"], rows, title=f"{title}: {heading}" if title else heading)]
+    tables = [Table(["tier", "chunks", "kept (pinned)"], rows, title=f"{title}: {heading}" if title else heading)]
+    if result.dry_run and result.chunks:  # the dry run lists exactly what the real run would remove
+        tables.append(Table(["tier", "key"], [(chunk["tier"], chunk["key"]) for chunk in result.chunks],
+                            title=f"{title}: chunks" if title else "chunks"))
+    return tables
 
 
 def _evict_fleet(out, chosen, plan, dry_run: bool, yes: bool, timeout: float) -> None:

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from kvctl.cli.fleet import open_one, selector
-from kvctl.cli.options import PrefetchTier, StateOption
+from kvctl.cli.options import InstanceOption, PrefetchTier, StateOption
 from kvctl.core.errors import ExitCode
 from kvctl.output import Table
 
@@ -20,9 +20,7 @@ def prewarm(
     concurrency: Annotated[int, typer.Option(help="Requests in flight at once.")] = 4,
     from_tier: Annotated[PrefetchTier | None, typer.Option("--from-tier", help="Instead of prefilling, copy chunks "
                                                            "already stored on this tier into the CPU tier.")] = None,
-    instance: Annotated[str | None, typer.Option("--instance", help="A 'kvctl serve --name' or inventory name, or a "
-                                                 "URL (worker 0's internal API, or the lmcache server's HTTP "
-                                                 "API).")] = None,
+    instance: InstanceOption = None,
     vllm_url: Annotated[str | None, typer.Option("--vllm-url", help="vLLM's OpenAI server URL.")] = None,
     state: StateOption = None,
 ) -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from kvctl.core.errors import UsageError
+from kvctl.core.errors import KvctlError, UsageError
 
 
 class Unsupported(UsageError):
@@ -63,6 +63,7 @@ class EvictionPlan:
     chunks: list[dict[str, str]] = field(default_factory=list)  # {"tier", "key"}
     held_by_lmcache: dict[str, int] | None = None
     dry_run: bool = True
+    errors: dict[str, str] = field(default_factory=dict)  # tier -> why its removal failed (the others went on)
     remove: Callable[[str, list[str]], EvictionPlan] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -85,7 +86,8 @@ class EvictionPlan:
 
     def execute(self) -> EvictionPlan:
         """Remove exactly the planned chunks, tier by tier (chunks written since the plan are not
-        taken); what got held since is kept and counted."""
+        taken); what got held since is kept and counted. A tier that fails is named in `errors` and
+        the others go on, so what was removed is still reported; when every tier fails, its error."""
         if self.remove is None:
             raise RuntimeError("this plan has no way to remove its chunks")
         by_tier: dict[str, list[str]] = {}
@@ -93,10 +95,18 @@ class EvictionPlan:
             by_tier.setdefault(chunk["tier"], []).append(chunk["key"])
         done = EvictionPlan(dict.fromkeys(self.removed, 0), dict(self.skipped_pinned), [],
                             None if self.held_by_lmcache is None else dict(self.held_by_lmcache), dry_run=False)
+        failures = []
         for tier, keys in by_tier.items():
-            answer = self.remove(tier, keys)
+            try:
+                answer = self.remove(tier, keys)
+            except KvctlError as error:
+                done.errors[tier] = error.message
+                failures.append(error)
+                continue
             done.removed[tier] = answer.removed.get(tier, 0)
             done.add(EvictionPlan({}, answer.skipped_pinned, answer.chunks, answer.held_by_lmcache))
+        if failures and len(failures) == len(by_tier):
+            raise failures[0]
         return done
 
     def as_dict(self) -> dict[str, Any]:
@@ -105,13 +115,15 @@ class EvictionPlan:
         if self.held_by_lmcache is not None:
             answer["held_by_lmcache"] = self.held_by_lmcache
         answer["chunks"] = self.chunks
+        if self.errors:
+            answer["errors"] = self.errors
         return answer
 
     @classmethod
     def from_dict(cls, answer: dict[str, Any], remove=None) -> EvictionPlan:
         return cls(dict(answer.get("removed", {})), dict(answer.get("skipped_pinned", {})), list(answer["chunks"]),
                    None if "held_by_lmcache" not in answer else dict(answer["held_by_lmcache"]),
-                   answer.get("dry_run", True), remove)
+                   answer.get("dry_run", True), dict(answer.get("errors", {})), remove)
 
 
 @dataclass

@@ -3,19 +3,41 @@
 MemoryStore is a tier read directly (kvctl.core.instance.ChunkStore), MemorySource a store that answers
 presence questions (kvctl.core.lookup.Source). Both hold stored names in a set; `stored_names` writes the
 names LMCache gives chunk keys on each layout, spelled out here rather than taken from the code under test.
+
+MemoryInstance is a whole instance (kvctl.core.instance.Instance) over MemoryStores, for running the CLI in
+process; CoordinatorMemoryInstance pins as the MP coordinator does; FailingInstance and HangingInstance are
+fleet members that fail or never answer.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+import zlib
 from collections.abc import Iterable, Sequence
 
-from kvctl.core.keys import ObjectKey, parse_key
+from kvctl.core.errors import KvctlError, RejectedError, UnreachableError
+from kvctl.core.instance import (
+    CoordinatorPin,
+    EvictionPlan,
+    Pin,
+    PinList,
+    PinnedKey,
+    Selection,
+    Unpinned,
+    Unsupported,
+    plan_store_eviction,
+)
+from kvctl.core.keys import KeyRecipe, ObjectKey, key_string, parse_key
+from kvctl.core.listing import Chunk, Listing, TierListing, collect, selected
 from kvctl.core.target import DISK_SUFFIXES
 
 
 class MemoryStore:
     """A tier's chunks in memory. As the real stores, only canonical chunk keys count: other names
     (stray files, foreign Redis keys) are never listed, held or removed."""
+
+    removal_error: KvctlError | None = None  # set: every removal fails with it (a store that went away)
 
     def __init__(self, tier: str, keys: Iterable[str] = ()) -> None:
         self.tier = tier
@@ -33,6 +55,8 @@ class MemoryStore:
         return [key for key in keys if key in self.names and parse_key(key) is not None]
 
     def remove(self, keys: Sequence[str]) -> list[str]:
+        if self.removal_error is not None:
+            raise self.removal_error
         gone = list(dict.fromkeys(self.held(keys)))
         self.names.difference_update(gone)
         return gone
@@ -62,3 +86,162 @@ def stored_names(layout: str, keys: Iterable[str | ObjectKey]) -> list[str]:
     if layout == "mp-fs":
         return [key.fs_file_name() for key in keys]
     return [key.native_key() for key in keys]
+
+
+# -- an instance -------------------------------------------------------------------------------
+
+CHUNK_TOKENS = 4  # the fake's chunk size
+CHUNK_BYTES = 1024  # what every chunk weighs in a listing
+
+
+def memory_keys(tokens: Sequence[int], model: str) -> list[str]:
+    """The fake's key rule: one canonical chunk key per complete chunk of CHUNK_TOKENS tokens, whose hash is
+    the CRC-32 of every token up to the chunk's end (so, as in LMCache, a chunk's key depends on its prefix)."""
+    recipe = KeyRecipe(model, chunk_size=CHUNK_TOKENS, kv_dtype="half")
+    return [key_string(recipe, zlib.crc32(repr(tuple(tokens[:end])).encode()))
+            for end in range(CHUNK_TOKENS, len(tokens) + 1, CHUNK_TOKENS)]
+
+
+class MemoryInstance:
+    """kvctl.core.instance.Instance over MemoryStores: lists, evicts (plan_store_eviction, pinned keys kept
+    unless forced) and pins (kvctl's typed pins, which hold a prompt's keys) in memory. `failing` names tiers
+    whose listing fails with the given error, `notes` go into every listing; prompts come only as token-ids
+    files."""
+
+    kind = "memory"
+    settle_s = 0.0
+    vllm_url = None
+
+    def __init__(self, name: str, stores: Sequence[MemoryStore], model: str = "llama",
+                 failing: dict[str, KvctlError] | None = None) -> None:
+        self.name, self.stores, self.model = name, list(stores), model
+        self.failing = failing or {}
+        self.notes: list[str] = []
+        self.held: dict[str, tuple[Pin, list[str]]] = {}  # pin id -> (the pin, the keys it holds)
+
+    @property
+    def pinned_keys(self) -> set[str]:
+        return {key for _pin, keys in self.held.values() for key in keys}
+
+    def model_name(self, model: str | None = None) -> str:
+        return model or self.model
+
+    def tokenize(self, prompt, model: str | None = None) -> list[int]:
+        return prompt.token_ids(None)
+
+    def lookup(self, tokens: list[int], model: str | None = None):
+        raise Unsupported("a memory instance does not look up", hint="use kvctl ls")
+
+    def list(self, tiers: Sequence[str] | None, model: str | None, limit: int) -> Listing:
+        def lister(store: MemoryStore):
+            def listed() -> TierListing:
+                if store.tier in self.failing:
+                    raise self.failing[store.tier]
+                keys = store.chunk_keys(model)
+                return TierListing(store.tier, "memory", len(keys), [
+                    Chunk(key, CHUNK_BYTES, False, key in self.pinned_keys) for key in keys[:limit]])
+            return listed
+
+        listing = collect({store.tier: lister(store) for store in self.stores
+                           if selected(store.tier, list(tiers) if tiers else None)})
+        listing.notes = list(self.notes)
+        return listing
+
+    def plan_eviction(self, selection: Selection) -> EvictionPlan:
+        wanted = (memory_keys(selection.tokens, self.model_name(selection.model)) if selection.tokens is not None
+                  else None if selection.keys is None else list(selection.keys))
+        model = self.model_name(selection.model) if wanted is None else None
+        return plan_store_eviction(self.stores, selection, model, wanted, self.pinned_keys)
+
+    def pin(self, tokens: list[int], ttl_s: float | None, tiers: Sequence[str] | None,
+            model: str | None = None) -> Pin:
+        keys = memory_keys(tokens, self.model_name(model))
+        now = time.time()
+        pin = Pin(f"pin{len(self.held) + 1}", len(keys), len(tokens),
+                  {store.tier: len(store.held(keys)) for store in self.stores
+                   if selected(store.tier, list(tiers) if tiers else None)},
+                  ttl_s, now, None if ttl_s is None else now + ttl_s)
+        self.held[pin.pin_id] = (pin, keys)
+        return pin
+
+    def unpin(self, *, pin_id: str | None = None, tokens: list[int] | None = None, everything: bool = False,
+              model: str | None = None) -> Unpinned:
+        if pin_id is not None and pin_id not in self.held:
+            raise RejectedError(f"no pin {pin_id!r}", hint="kvctl pins lists the pin ids")
+        prompt = set(memory_keys(tokens, self.model_name(model))) if tokens is not None else set()
+        going = [held for held, (_pin, keys) in self.held.items()
+                 if everything or held == pin_id or prompt.intersection(keys)]
+        return Unpinned([self.held.pop(held)[0] for held in going])
+
+    def pins(self, model: str | None = None) -> PinList:
+        return PinList([pin for pin, _keys in self.held.values()])
+
+    def prefetch(self, tokens: list[int]):
+        raise Unsupported("a memory instance has no tier to prefetch from", hint="drop --from-tier")
+
+
+class CoordinatorMemoryInstance(MemoryInstance):
+    """Pins as the LMCache coordinator keeps them (MP): counted per key, no ids, no TTL, released by prompt."""
+
+    kind = "memory-mp"
+
+    def __init__(self, name: str, stores: Sequence[MemoryStore], model: str = "llama") -> None:
+        super().__init__(name, stores, model)
+        self.counts: dict[str, int] = {}
+
+    def pin(self, tokens: list[int], ttl_s: float | None, tiers: Sequence[str] | None,
+            model: str | None = None) -> CoordinatorPin:
+        if ttl_s is not None or tiers:
+            raise Unsupported("coordinator pins hold a prompt's chunks until unpinned: no --ttl or --tier",
+                              hint="drop --ttl and --tier")
+        return self._count(tokens, model, +1, "pinned")
+
+    def unpin(self, *, pin_id: str | None = None, tokens: list[int] | None = None, everything: bool = False,
+              model: str | None = None) -> CoordinatorPin:
+        if tokens is None:
+            raise Unsupported("the coordinator unpins by prompt only (its pins have no ids)",
+                              hint="give the prompt you pinned")
+        return self._count(tokens, model, -1, "unpinned")
+
+    def pins(self, model: str | None = None) -> PinList:
+        return PinList([PinnedKey(key, count) for key, count in sorted(self.counts.items())])
+
+    def _count(self, tokens: list[int], model: str | None, step: int, status: str) -> CoordinatorPin:
+        name = self.model_name(model)
+        keys = memory_keys(tokens, name)
+        held = [key for key in keys if any(key in store.names for store in self.stores)]
+        for key in held:
+            self.counts[key] = self.counts.get(key, 0) + step
+            if not self.counts[key]:
+                del self.counts[key]
+        return CoordinatorPin(name, len(keys), len(held), status)
+
+
+class FailingInstance:
+    """A member whose every operation fails with `error` (an instance that refuses, or that is down)."""
+
+    kind = "memory"
+    settle_s = 0.0
+    vllm_url = None
+
+    def __init__(self, name: str, error: KvctlError) -> None:
+        self.name, self.error, self.notes = name, error, []
+
+    def __getattr__(self, operation: str):
+        def fail(*_args, **_kwargs):
+            raise self.error
+        return fail
+
+
+class HangingInstance(FailingInstance):
+    """A member that never answers: every operation waits until `release` is set (the test's end)."""
+
+    def __init__(self, name: str, release: threading.Event) -> None:
+        super().__init__(name, UnreachableError("released at the end of the test"))
+        self.release = release
+
+    def __getattr__(self, operation: str):
+        def hang(*_args, **_kwargs):
+            self.release.wait(30)
+            raise self.error
+        return hang

@@ -9,14 +9,6 @@ from kvctl.core.errors import ExitCode, RejectedError, ServerError
 from kvctl.core.instances import Address, fan_out, fleet_exit_code, fleet_reports
 
 
-@pytest.fixture
-def release():
-    """Lets the members left hanging go once the test is done."""
-    event = threading.Event()
-    yield event
-    event.set()
-
-
 def behaviours(release: threading.Event):
     """What each fleet member does when asked, by name."""
     def answer(address):
