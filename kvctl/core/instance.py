@@ -231,16 +231,15 @@ class Instance(Protocol):
 
     name: str
     kind: str  # "inprocess", "mp", "offline": for messages, never for branching in the CLI
+    vllm_url: str | None  # the vLLM that serves through this instance, where known
+    settle_s: float  # how long a report after a write waits for it to land on every tier
+    notes: list[str]  # what the last operation could not look at, and why
 
     def model_name(self, model: str | None = None) -> str:
         """The model whose keys a prompt makes here: `model`, or the one the instance serves."""
 
     def tokenize(self, prompt: Any, model: str | None = None) -> list[int]:
         """A PromptSource's token ids, tokenized as this instance's vLLM would."""
-
-    vllm_url: str | None  # the vLLM that serves through this instance, where known
-    settle_s: float  # how long a report after a write waits for it to land on every tier
-    notes: list[str]  # what the last operation could not look at, and why
 
     def lookup(self, tokens: list[int], model: str | None = None) -> Any:
         """A LookupResult: which chunks of the tokens each tier holds, and the hit tokens."""
