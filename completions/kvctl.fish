@@ -46,11 +46,35 @@ function __kvctl_path
             case '|top'
                 set kv_path 'top'
                 continue
+            case '|freeze'
+                set kv_path 'freeze'
+                continue
+            case '|hot-cache'
+                set kv_path 'hot-cache'
+                continue
+            case '|chunk-stats'
+                set kv_path 'chunk-stats'
+                continue
+            case '|doctor'
+                set kv_path 'doctor'
+                continue
             case '|version'
                 set kv_path 'version'
                 continue
             case '|config'
                 set kv_path 'config'
+                continue
+            case '|pin-set'
+                set kv_path 'pin-set'
+                continue
+            case '|backends'
+                set kv_path 'backends'
+                continue
+            case '|conf'
+                set kv_path 'conf'
+                continue
+            case '|quota'
+                set kv_path 'quota'
                 continue
             case '|model'
                 set kv_path 'model'
@@ -67,6 +91,45 @@ function __kvctl_path
             case 'config|show'
                 set kv_path 'config show'
                 continue
+            case 'pin-set|apply'
+                set kv_path 'pin-set apply'
+                continue
+            case 'backends|ls'
+                set kv_path 'backends ls'
+                continue
+            case 'backends|attach'
+                set kv_path 'backends attach'
+                continue
+            case 'backends|detach'
+                set kv_path 'backends detach'
+                continue
+            case 'backends|recreate'
+                set kv_path 'backends recreate'
+                continue
+            case 'backends|bypass'
+                set kv_path 'backends bypass'
+                continue
+            case 'backends|unbypass'
+                set kv_path 'backends unbypass'
+                continue
+            case 'conf|get'
+                set kv_path 'conf get'
+                continue
+            case 'conf|set'
+                set kv_path 'conf set'
+                continue
+            case 'quota|ls'
+                set kv_path 'quota ls'
+                continue
+            case 'quota|get'
+                set kv_path 'quota get'
+                continue
+            case 'quota|set'
+                set kv_path 'quota set'
+                continue
+            case 'quota|rm'
+                set kv_path 'quota rm'
+                continue
             case 'model|tiny'
                 set kv_path 'model tiny'
                 continue
@@ -82,7 +145,7 @@ function __kvctl_path
             case ''
                 set valued --format
             case 'serve'
-                set valued --mode --tier --config --host --port --internal-api-port-start --mp-port --mp-http-port --coordinator --coordinator-port --name --state --format
+                set valued --mode --tier --config --host --port --internal-api-port-start --mp-port --mp-http-port --coordinator --coordinator-port --name --state --pins --format
             case 'prewarm'
                 set valued --concurrency --from-tier --instance --vllm-url --state --format
             case 'lookup'
@@ -105,6 +168,14 @@ function __kvctl_path
                 set valued --instance --state --inventory --timeout --format
             case 'top'
                 set valued --instance --state --inventory --timeout --interval --format
+            case 'freeze'
+                set valued --instance --state --inventory --timeout --format
+            case 'hot-cache'
+                set valued --instance --state --inventory --timeout --format
+            case 'chunk-stats'
+                set valued --instance --state --inventory --format
+            case 'doctor'
+                set valued --instance --state --inventory --config --timeout --format
             case 'version'
                 set valued --format
             case 'config'
@@ -115,6 +186,40 @@ function __kvctl_path
                 set valued --mode --block-size --format
             case 'config show'
                 set valued --format
+            case 'pin-set'
+                set valued --format
+            case 'pin-set apply'
+                set valued --model --vllm-url --instance --state --inventory --timeout --format
+            case 'backends'
+                set valued --format
+            case 'backends ls'
+                set valued --instance --state --inventory --timeout --format
+            case 'backends attach'
+                set valued --instance --state --inventory --format
+            case 'backends detach'
+                set valued --instance --state --inventory --format
+            case 'backends recreate'
+                set valued --instance --state --inventory --format
+            case 'backends bypass'
+                set valued --instance --state --inventory --format
+            case 'backends unbypass'
+                set valued --instance --state --inventory --format
+            case 'conf'
+                set valued --format
+            case 'conf get'
+                set valued --instance --state --inventory --timeout --format
+            case 'conf set'
+                set valued --instance --state --inventory --format
+            case 'quota'
+                set valued --format
+            case 'quota ls'
+                set valued --instance --state --inventory --format
+            case 'quota get'
+                set valued --instance --state --inventory --format
+            case 'quota set'
+                set valued --instance --state --inventory --format
+            case 'quota rm'
+                set valued --instance --state --inventory --format
             case 'model'
                 set valued --format
             case 'model tiny'
@@ -150,8 +255,16 @@ complete -c kvctl -f -n '__kvctl_at '\'''\''' -a evict -d 'Remove chunks from th
 complete -c kvctl -f -n '__kvctl_at '\'''\''' -a health -d 'Check every component (vLLM, internal API servers, offload socket,...'
 complete -c kvctl -f -n '__kvctl_at '\'''\''' -a stats -d 'Hit rates (lookup vs retrieve, vLLM'\''s prefix cache and LMCache'\''s...'
 complete -c kvctl -f -n '__kvctl_at '\'''\''' -a top -d 'A live view of health and stats that redraws in place (Ctrl-C to...'
+complete -c kvctl -f -n '__kvctl_at '\'''\''' -a freeze -d 'Freeze an in-process engine: store no new chunks, keep serving what...'
+complete -c kvctl -f -n '__kvctl_at '\'''\''' -a hot-cache -d 'The CPU tier'\''s hot cache of an in-process engine: on, off (which...'
+complete -c kvctl -f -n '__kvctl_at '\'''\''' -a chunk-stats -d 'LMCache'\''s chunk statistics (how often prompts'\'' chunks recur), kept...'
+complete -c kvctl -f -n '__kvctl_at '\'''\''' -a doctor -d 'Why would this deployment miss? Key compatibility across members...'
 complete -c kvctl -f -n '__kvctl_at '\'''\''' -a version -d 'Show the versions of kvctl, LMCache, vLLM, torch and Python, and...'
 complete -c kvctl -f -n '__kvctl_at '\'''\''' -a config -d 'Generate, validate and show LMCache + vLLM configuration.'
+complete -c kvctl -f -n '__kvctl_at '\'''\''' -a pin-set -d 'Pin sets: prompts to keep pinned, declared in a YAML file and...'
+complete -c kvctl -f -n '__kvctl_at '\'''\''' -a backends -d 'An in-process engine'\''s storage backends (tiers) at runtime, on...'
+complete -c kvctl -f -n '__kvctl_at '\'''\''' -a conf -d 'LMCache'\''s settings on a running in-process engine (GET/POST /conf).'
+complete -c kvctl -f -n '__kvctl_at '\'''\''' -a quota -d 'An MP server'\''s soft per-cache_salt quotas (its L2 IsolatedLRU...'
 complete -c kvctl -f -n '__kvctl_at '\'''\''' -a model -d 'Models kvctl builds for offline use.'
 complete -c kvctl -f -n '__kvctl_at '\'''\''' -a completion -d 'Shell completion scripts for bash, zsh and fish.'
 complete -c kvctl -n '__kvctl_at '\'''\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
@@ -176,6 +289,7 @@ complete -c kvctl -n '__kvctl_at '\''serve'\''' -l keep-lmcache-env -d 'Pass inh
 complete -c kvctl -n '__kvctl_at '\''serve'\''' -l name -r -F -d 'Name of this instance (its files live under kvctl'\''s cache).'
 complete -c kvctl -n '__kvctl_at '\''serve'\''' -l state -r -F -d 'State file other kvctl commands read (default: kvctl'\''s cache/serve/state.json).'
 complete -c kvctl -n '__kvctl_at '\''serve'\''' -l dry-run -d 'Print the commands and environment; start nothing.'
+complete -c kvctl -n '__kvctl_at '\''serve'\''' -l pins -r -F -d 'A pin set file to apply once the engine is ready, on every start (default: the `pins:` of this --name in the inventory).'
 complete -c kvctl -n '__kvctl_at '\''serve'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
 complete -c kvctl -n '__kvctl_at '\''serve'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
 complete -c kvctl -n '__kvctl_at '\''serve'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
@@ -184,7 +298,7 @@ complete -c kvctl -n '__kvctl_at '\''prewarm'\''' -r -F
 complete -c kvctl -n '__kvctl_at '\''prewarm'\''' -l chat -d 'Files are JSON lists of chat messages.'
 complete -c kvctl -n '__kvctl_at '\''prewarm'\''' -l concurrency -r -F -d 'Requests in flight at once.'
 complete -c kvctl -n '__kvctl_at '\''prewarm'\''' -l from-tier -x -a 'disk redis' -d 'Instead of prefilling, copy chunks already stored on this tier into the CPU tier.'
-complete -c kvctl -n '__kvctl_at '\''prewarm'\''' -l instance -x -a '(kvctl complete-values instances (commandline -ct))' -d 'A '\''kvctl serve --name'\'' or inventory name, or a URL (worker 0'\''s internal API, or the lmcache server'\''s HTTP API).'
+complete -c kvctl -n '__kvctl_at '\''prewarm'\''' -l instance -x -a '(kvctl complete-values instances (commandline -ct))' -d 'A running instance: a '\''kvctl serve --name'\'' or inventory name, or a URL (worker 0'\''s internal API, or the lmcache server'\''s HTTP API).'
 complete -c kvctl -n '__kvctl_at '\''prewarm'\''' -l vllm-url -r -F -d 'vLLM'\''s OpenAI server URL.'
 complete -c kvctl -n '__kvctl_at '\''prewarm'\''' -l state -r -F -d 'The state file of a '\''kvctl serve'\'' (default: the most recent one).'
 complete -c kvctl -n '__kvctl_at '\''prewarm'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
@@ -326,6 +440,41 @@ complete -c kvctl -n '__kvctl_at '\''top'\''' -l format -x -a 'table json' -d 'O
 complete -c kvctl -n '__kvctl_at '\''top'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
 complete -c kvctl -n '__kvctl_at '\''top'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
 complete -c kvctl -n '__kvctl_at '\''top'\''' -s h -l help -d 'Show help and exit.'
+complete -c kvctl -n '__kvctl_at '\''freeze'\''' -x -a 'on off status'
+complete -c kvctl -n '__kvctl_at '\''freeze'\''' -l instance -x -a '(kvctl complete-values instances (commandline -ct))' -d ''\''all'\'' (every instance of the inventory), an inventory or '\''kvctl serve --name'\'' name, or a URL (worker 0'\''s internal API, or the lmcache server'\''s HTTP API; default: the most recent kvctl serve).'
+complete -c kvctl -n '__kvctl_at '\''freeze'\''' -l state -r -F -d 'The state file of a '\''kvctl serve'\'' (default: the most recent one).'
+complete -c kvctl -n '__kvctl_at '\''freeze'\''' -l inventory -r -F -d 'A kvctl.yaml fleet inventory (default: $KVCTL_INVENTORY, ./kvctl.yaml, ~/.config/kvctl/kvctl.yaml).'
+complete -c kvctl -n '__kvctl_at '\''freeze'\''' -l timeout -r -F -d 'Seconds each instance gets.'
+complete -c kvctl -n '__kvctl_at '\''freeze'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
+complete -c kvctl -n '__kvctl_at '\''freeze'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
+complete -c kvctl -n '__kvctl_at '\''freeze'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
+complete -c kvctl -n '__kvctl_at '\''freeze'\''' -s h -l help -d 'Show help and exit.'
+complete -c kvctl -n '__kvctl_at '\''hot-cache'\''' -x -a 'on off status'
+complete -c kvctl -n '__kvctl_at '\''hot-cache'\''' -l instance -x -a '(kvctl complete-values instances (commandline -ct))' -d ''\''all'\'' (every instance of the inventory), an inventory or '\''kvctl serve --name'\'' name, or a URL (worker 0'\''s internal API, or the lmcache server'\''s HTTP API; default: the most recent kvctl serve).'
+complete -c kvctl -n '__kvctl_at '\''hot-cache'\''' -l state -r -F -d 'The state file of a '\''kvctl serve'\'' (default: the most recent one).'
+complete -c kvctl -n '__kvctl_at '\''hot-cache'\''' -l inventory -r -F -d 'A kvctl.yaml fleet inventory (default: $KVCTL_INVENTORY, ./kvctl.yaml, ~/.config/kvctl/kvctl.yaml).'
+complete -c kvctl -n '__kvctl_at '\''hot-cache'\''' -l timeout -r -F -d 'Seconds each instance gets.'
+complete -c kvctl -n '__kvctl_at '\''hot-cache'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
+complete -c kvctl -n '__kvctl_at '\''hot-cache'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
+complete -c kvctl -n '__kvctl_at '\''hot-cache'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
+complete -c kvctl -n '__kvctl_at '\''hot-cache'\''' -s h -l help -d 'Show help and exit.'
+complete -c kvctl -n '__kvctl_at '\''chunk-stats'\''' -x -a 'start stop reset status'
+complete -c kvctl -n '__kvctl_at '\''chunk-stats'\''' -l instance -x -a '(kvctl complete-values instances (commandline -ct))' -d 'A running instance: a '\''kvctl serve --name'\'' or inventory name, or a URL (worker 0'\''s internal API, or the lmcache server'\''s HTTP API).'
+complete -c kvctl -n '__kvctl_at '\''chunk-stats'\''' -l state -r -F -d 'The state file of a '\''kvctl serve'\'' (default: the most recent one).'
+complete -c kvctl -n '__kvctl_at '\''chunk-stats'\''' -l inventory -r -F -d 'A kvctl.yaml fleet inventory (default: $KVCTL_INVENTORY, ./kvctl.yaml, ~/.config/kvctl/kvctl.yaml).'
+complete -c kvctl -n '__kvctl_at '\''chunk-stats'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
+complete -c kvctl -n '__kvctl_at '\''chunk-stats'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
+complete -c kvctl -n '__kvctl_at '\''chunk-stats'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
+complete -c kvctl -n '__kvctl_at '\''chunk-stats'\''' -s h -l help -d 'Show help and exit.'
+complete -c kvctl -n '__kvctl_at '\''doctor'\''' -l instance -x -a '(kvctl complete-values instances (commandline -ct))' -d ''\''all'\'' (every instance of the inventory), an inventory or '\''kvctl serve --name'\'' name, or a URL (worker 0'\''s internal API, or the lmcache server'\''s HTTP API; default: the most recent kvctl serve).'
+complete -c kvctl -n '__kvctl_at '\''doctor'\''' -l state -r -F -d 'The state file of a '\''kvctl serve'\'' (default: the most recent one).'
+complete -c kvctl -n '__kvctl_at '\''doctor'\''' -l inventory -r -F -d 'A kvctl.yaml fleet inventory (default: $KVCTL_INVENTORY, ./kvctl.yaml, ~/.config/kvctl/kvctl.yaml).'
+complete -c kvctl -n '__kvctl_at '\''doctor'\''' -l config -r -F -d 'A '\''kvctl config init'\'' directory or an lmcache.yaml: alone, its stores are read directly (no engine); with an MP server'\''s --instance, its L2 stores.'
+complete -c kvctl -n '__kvctl_at '\''doctor'\''' -l timeout -r -F -d 'Seconds each instance gets.'
+complete -c kvctl -n '__kvctl_at '\''doctor'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
+complete -c kvctl -n '__kvctl_at '\''doctor'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
+complete -c kvctl -n '__kvctl_at '\''doctor'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
+complete -c kvctl -n '__kvctl_at '\''doctor'\''' -s h -l help -d 'Show help and exit.'
 complete -c kvctl -n '__kvctl_at '\''version'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
 complete -c kvctl -n '__kvctl_at '\''version'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
 complete -c kvctl -n '__kvctl_at '\''version'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
@@ -369,6 +518,146 @@ complete -c kvctl -n '__kvctl_at '\''config show'\''' -l format -x -a 'table jso
 complete -c kvctl -n '__kvctl_at '\''config show'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
 complete -c kvctl -n '__kvctl_at '\''config show'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
 complete -c kvctl -n '__kvctl_at '\''config show'\''' -s h -l help -d 'Show help and exit.'
+complete -c kvctl -f -n '__kvctl_at '\''pin-set'\''' -a apply -d 'Apply a pin set: pin its prompts that are not pinned, pin those...'
+complete -c kvctl -n '__kvctl_at '\''pin-set'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
+complete -c kvctl -n '__kvctl_at '\''pin-set'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
+complete -c kvctl -n '__kvctl_at '\''pin-set'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
+complete -c kvctl -n '__kvctl_at '\''pin-set'\''' -s h -l help -d 'Show help and exit.'
+complete -c kvctl -n '__kvctl_at '\''pin-set apply'\''' -r -F
+complete -c kvctl -n '__kvctl_at '\''pin-set apply'\''' -l dry-run -d 'Print what would be pinned, refreshed and released; change nothing.'
+complete -c kvctl -n '__kvctl_at '\''pin-set apply'\''' -l no-prewarm -d 'Pin only what is cached; by default an entry with chunks not cached is first prefilled through the instance'\''s vLLM, where known.'
+complete -c kvctl -n '__kvctl_at '\''pin-set apply'\''' -l model -x -a '(kvctl complete-values models (commandline -ct))' -d 'The value of vLLM'\''s --model: names the keys (only this model'\''s chunks are taken), and a local directory also gives the tokenizer.'
+complete -c kvctl -n '__kvctl_at '\''pin-set apply'\''' -l vllm-url -r -F -d 'Tokenize with a running vLLM (its OpenAI server URL) instead of a local tokenizer.'
+complete -c kvctl -n '__kvctl_at '\''pin-set apply'\''' -l instance -x -a '(kvctl complete-values instances (commandline -ct))' -d ''\''all'\'' (every instance of the inventory), an inventory or '\''kvctl serve --name'\'' name, or a URL (worker 0'\''s internal API, or the lmcache server'\''s HTTP API; default: the most recent kvctl serve).'
+complete -c kvctl -n '__kvctl_at '\''pin-set apply'\''' -l state -r -F -d 'The state file of a '\''kvctl serve'\'' (default: the most recent one).'
+complete -c kvctl -n '__kvctl_at '\''pin-set apply'\''' -l inventory -r -F -d 'A kvctl.yaml fleet inventory (default: $KVCTL_INVENTORY, ./kvctl.yaml, ~/.config/kvctl/kvctl.yaml).'
+complete -c kvctl -n '__kvctl_at '\''pin-set apply'\''' -l timeout -r -F -d 'Seconds each instance gets.'
+complete -c kvctl -n '__kvctl_at '\''pin-set apply'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
+complete -c kvctl -n '__kvctl_at '\''pin-set apply'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
+complete -c kvctl -n '__kvctl_at '\''pin-set apply'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
+complete -c kvctl -n '__kvctl_at '\''pin-set apply'\''' -s h -l help -d 'Show help and exit.'
+complete -c kvctl -f -n '__kvctl_at '\''backends'\''' -a ls -d 'The backends of every worker: tier, LMCache'\''s name and class, on...'
+complete -c kvctl -f -n '__kvctl_at '\''backends'\''' -a attach -d 'Create the backends the engine'\''s current configuration names and it...'
+complete -c kvctl -f -n '__kvctl_at '\''backends'\''' -a detach -d 'Close a backend on every worker (until `kvctl backends attach`);...'
+complete -c kvctl -f -n '__kvctl_at '\''backends'\''' -a recreate -d 'Close a backend and create it again from the current configuration...'
+complete -c kvctl -f -n '__kvctl_at '\''backends'\''' -a bypass -d 'Skip a backend on lookups, stores and retrieves (it stays open);...'
+complete -c kvctl -f -n '__kvctl_at '\''backends'\''' -a unbypass -d 'Use a bypassed backend again.'
+complete -c kvctl -n '__kvctl_at '\''backends'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
+complete -c kvctl -n '__kvctl_at '\''backends'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
+complete -c kvctl -n '__kvctl_at '\''backends'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
+complete -c kvctl -n '__kvctl_at '\''backends'\''' -s h -l help -d 'Show help and exit.'
+complete -c kvctl -n '__kvctl_at '\''backends ls'\''' -l instance -x -a '(kvctl complete-values instances (commandline -ct))' -d ''\''all'\'' (every instance of the inventory), an inventory or '\''kvctl serve --name'\'' name, or a URL (worker 0'\''s internal API, or the lmcache server'\''s HTTP API; default: the most recent kvctl serve).'
+complete -c kvctl -n '__kvctl_at '\''backends ls'\''' -l state -r -F -d 'The state file of a '\''kvctl serve'\'' (default: the most recent one).'
+complete -c kvctl -n '__kvctl_at '\''backends ls'\''' -l inventory -r -F -d 'A kvctl.yaml fleet inventory (default: $KVCTL_INVENTORY, ./kvctl.yaml, ~/.config/kvctl/kvctl.yaml).'
+complete -c kvctl -n '__kvctl_at '\''backends ls'\''' -l timeout -r -F -d 'Seconds each instance gets.'
+complete -c kvctl -n '__kvctl_at '\''backends ls'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
+complete -c kvctl -n '__kvctl_at '\''backends ls'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
+complete -c kvctl -n '__kvctl_at '\''backends ls'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
+complete -c kvctl -n '__kvctl_at '\''backends ls'\''' -s h -l help -d 'Show help and exit.'
+complete -c kvctl -n '__kvctl_at '\''backends attach'\''' -l instance -x -a '(kvctl complete-values instances (commandline -ct))' -d 'A running instance: a '\''kvctl serve --name'\'' or inventory name, or a URL (worker 0'\''s internal API, or the lmcache server'\''s HTTP API).'
+complete -c kvctl -n '__kvctl_at '\''backends attach'\''' -l state -r -F -d 'The state file of a '\''kvctl serve'\'' (default: the most recent one).'
+complete -c kvctl -n '__kvctl_at '\''backends attach'\''' -l inventory -r -F -d 'A kvctl.yaml fleet inventory (default: $KVCTL_INVENTORY, ./kvctl.yaml, ~/.config/kvctl/kvctl.yaml).'
+complete -c kvctl -n '__kvctl_at '\''backends attach'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
+complete -c kvctl -n '__kvctl_at '\''backends attach'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
+complete -c kvctl -n '__kvctl_at '\''backends attach'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
+complete -c kvctl -n '__kvctl_at '\''backends attach'\''' -s h -l help -d 'Show help and exit.'
+complete -c kvctl -n '__kvctl_at '\''backends detach'\''' -r -F
+complete -c kvctl -n '__kvctl_at '\''backends detach'\''' -l dry-run -d 'Say on which workers it is; change nothing.'
+complete -c kvctl -n '__kvctl_at '\''backends detach'\''' -l yes -s y -d 'Do not ask (required when not on a terminal).'
+complete -c kvctl -n '__kvctl_at '\''backends detach'\''' -l instance -x -a '(kvctl complete-values instances (commandline -ct))' -d 'A running instance: a '\''kvctl serve --name'\'' or inventory name, or a URL (worker 0'\''s internal API, or the lmcache server'\''s HTTP API).'
+complete -c kvctl -n '__kvctl_at '\''backends detach'\''' -l state -r -F -d 'The state file of a '\''kvctl serve'\'' (default: the most recent one).'
+complete -c kvctl -n '__kvctl_at '\''backends detach'\''' -l inventory -r -F -d 'A kvctl.yaml fleet inventory (default: $KVCTL_INVENTORY, ./kvctl.yaml, ~/.config/kvctl/kvctl.yaml).'
+complete -c kvctl -n '__kvctl_at '\''backends detach'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
+complete -c kvctl -n '__kvctl_at '\''backends detach'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
+complete -c kvctl -n '__kvctl_at '\''backends detach'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
+complete -c kvctl -n '__kvctl_at '\''backends detach'\''' -s h -l help -d 'Show help and exit.'
+complete -c kvctl -n '__kvctl_at '\''backends recreate'\''' -r -F
+complete -c kvctl -n '__kvctl_at '\''backends recreate'\''' -l instance -x -a '(kvctl complete-values instances (commandline -ct))' -d 'A running instance: a '\''kvctl serve --name'\'' or inventory name, or a URL (worker 0'\''s internal API, or the lmcache server'\''s HTTP API).'
+complete -c kvctl -n '__kvctl_at '\''backends recreate'\''' -l state -r -F -d 'The state file of a '\''kvctl serve'\'' (default: the most recent one).'
+complete -c kvctl -n '__kvctl_at '\''backends recreate'\''' -l inventory -r -F -d 'A kvctl.yaml fleet inventory (default: $KVCTL_INVENTORY, ./kvctl.yaml, ~/.config/kvctl/kvctl.yaml).'
+complete -c kvctl -n '__kvctl_at '\''backends recreate'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
+complete -c kvctl -n '__kvctl_at '\''backends recreate'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
+complete -c kvctl -n '__kvctl_at '\''backends recreate'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
+complete -c kvctl -n '__kvctl_at '\''backends recreate'\''' -s h -l help -d 'Show help and exit.'
+complete -c kvctl -n '__kvctl_at '\''backends bypass'\''' -r -F
+complete -c kvctl -n '__kvctl_at '\''backends bypass'\''' -l instance -x -a '(kvctl complete-values instances (commandline -ct))' -d 'A running instance: a '\''kvctl serve --name'\'' or inventory name, or a URL (worker 0'\''s internal API, or the lmcache server'\''s HTTP API).'
+complete -c kvctl -n '__kvctl_at '\''backends bypass'\''' -l state -r -F -d 'The state file of a '\''kvctl serve'\'' (default: the most recent one).'
+complete -c kvctl -n '__kvctl_at '\''backends bypass'\''' -l inventory -r -F -d 'A kvctl.yaml fleet inventory (default: $KVCTL_INVENTORY, ./kvctl.yaml, ~/.config/kvctl/kvctl.yaml).'
+complete -c kvctl -n '__kvctl_at '\''backends bypass'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
+complete -c kvctl -n '__kvctl_at '\''backends bypass'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
+complete -c kvctl -n '__kvctl_at '\''backends bypass'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
+complete -c kvctl -n '__kvctl_at '\''backends bypass'\''' -s h -l help -d 'Show help and exit.'
+complete -c kvctl -n '__kvctl_at '\''backends unbypass'\''' -r -F
+complete -c kvctl -n '__kvctl_at '\''backends unbypass'\''' -l instance -x -a '(kvctl complete-values instances (commandline -ct))' -d 'A running instance: a '\''kvctl serve --name'\'' or inventory name, or a URL (worker 0'\''s internal API, or the lmcache server'\''s HTTP API).'
+complete -c kvctl -n '__kvctl_at '\''backends unbypass'\''' -l state -r -F -d 'The state file of a '\''kvctl serve'\'' (default: the most recent one).'
+complete -c kvctl -n '__kvctl_at '\''backends unbypass'\''' -l inventory -r -F -d 'A kvctl.yaml fleet inventory (default: $KVCTL_INVENTORY, ./kvctl.yaml, ~/.config/kvctl/kvctl.yaml).'
+complete -c kvctl -n '__kvctl_at '\''backends unbypass'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
+complete -c kvctl -n '__kvctl_at '\''backends unbypass'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
+complete -c kvctl -n '__kvctl_at '\''backends unbypass'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
+complete -c kvctl -n '__kvctl_at '\''backends unbypass'\''' -s h -l help -d 'Show help and exit.'
+complete -c kvctl -f -n '__kvctl_at '\''conf'\''' -a get -d 'Show settings as the engine'\''s processes hold them now (secrets...'
+complete -c kvctl -f -n '__kvctl_at '\''conf'\''' -a set -d 'Change settings live, on the scheduler and every worker.'
+complete -c kvctl -n '__kvctl_at '\''conf'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
+complete -c kvctl -n '__kvctl_at '\''conf'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
+complete -c kvctl -n '__kvctl_at '\''conf'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
+complete -c kvctl -n '__kvctl_at '\''conf'\''' -s h -l help -d 'Show help and exit.'
+complete -c kvctl -n '__kvctl_at '\''conf get'\''' -r -F
+complete -c kvctl -n '__kvctl_at '\''conf get'\''' -l instance -x -a '(kvctl complete-values instances (commandline -ct))' -d ''\''all'\'' (every instance of the inventory), an inventory or '\''kvctl serve --name'\'' name, or a URL (worker 0'\''s internal API, or the lmcache server'\''s HTTP API; default: the most recent kvctl serve).'
+complete -c kvctl -n '__kvctl_at '\''conf get'\''' -l state -r -F -d 'The state file of a '\''kvctl serve'\'' (default: the most recent one).'
+complete -c kvctl -n '__kvctl_at '\''conf get'\''' -l inventory -r -F -d 'A kvctl.yaml fleet inventory (default: $KVCTL_INVENTORY, ./kvctl.yaml, ~/.config/kvctl/kvctl.yaml).'
+complete -c kvctl -n '__kvctl_at '\''conf get'\''' -l timeout -r -F -d 'Seconds each instance gets.'
+complete -c kvctl -n '__kvctl_at '\''conf get'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
+complete -c kvctl -n '__kvctl_at '\''conf get'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
+complete -c kvctl -n '__kvctl_at '\''conf get'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
+complete -c kvctl -n '__kvctl_at '\''conf get'\''' -s h -l help -d 'Show help and exit.'
+complete -c kvctl -n '__kvctl_at '\''conf set'\''' -r -F
+complete -c kvctl -n '__kvctl_at '\''conf set'\''' -l instance -x -a '(kvctl complete-values instances (commandline -ct))' -d 'A running instance: a '\''kvctl serve --name'\'' or inventory name, or a URL (worker 0'\''s internal API, or the lmcache server'\''s HTTP API).'
+complete -c kvctl -n '__kvctl_at '\''conf set'\''' -l state -r -F -d 'The state file of a '\''kvctl serve'\'' (default: the most recent one).'
+complete -c kvctl -n '__kvctl_at '\''conf set'\''' -l inventory -r -F -d 'A kvctl.yaml fleet inventory (default: $KVCTL_INVENTORY, ./kvctl.yaml, ~/.config/kvctl/kvctl.yaml).'
+complete -c kvctl -n '__kvctl_at '\''conf set'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
+complete -c kvctl -n '__kvctl_at '\''conf set'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
+complete -c kvctl -n '__kvctl_at '\''conf set'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
+complete -c kvctl -n '__kvctl_at '\''conf set'\''' -s h -l help -d 'Show help and exit.'
+complete -c kvctl -f -n '__kvctl_at '\''quota'\''' -a ls -d 'Every quota with its live usage.'
+complete -c kvctl -f -n '__kvctl_at '\''quota'\''' -a get -d 'One salt'\''s quota and usage.'
+complete -c kvctl -f -n '__kvctl_at '\''quota'\''' -a set -d 'Set a salt'\''s quota: over-budget chunks go at the next eviction...'
+complete -c kvctl -f -n '__kvctl_at '\''quota'\''' -a rm -d 'Remove a salt'\''s quota (asks, or needs --yes).'
+complete -c kvctl -n '__kvctl_at '\''quota'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
+complete -c kvctl -n '__kvctl_at '\''quota'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
+complete -c kvctl -n '__kvctl_at '\''quota'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
+complete -c kvctl -n '__kvctl_at '\''quota'\''' -s h -l help -d 'Show help and exit.'
+complete -c kvctl -n '__kvctl_at '\''quota ls'\''' -l instance -x -a '(kvctl complete-values instances (commandline -ct))' -d 'A running instance: a '\''kvctl serve --name'\'' or inventory name, or a URL (worker 0'\''s internal API, or the lmcache server'\''s HTTP API).'
+complete -c kvctl -n '__kvctl_at '\''quota ls'\''' -l state -r -F -d 'The state file of a '\''kvctl serve'\'' (default: the most recent one).'
+complete -c kvctl -n '__kvctl_at '\''quota ls'\''' -l inventory -r -F -d 'A kvctl.yaml fleet inventory (default: $KVCTL_INVENTORY, ./kvctl.yaml, ~/.config/kvctl/kvctl.yaml).'
+complete -c kvctl -n '__kvctl_at '\''quota ls'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
+complete -c kvctl -n '__kvctl_at '\''quota ls'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
+complete -c kvctl -n '__kvctl_at '\''quota ls'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
+complete -c kvctl -n '__kvctl_at '\''quota ls'\''' -s h -l help -d 'Show help and exit.'
+complete -c kvctl -n '__kvctl_at '\''quota get'\''' -r -F
+complete -c kvctl -n '__kvctl_at '\''quota get'\''' -l instance -x -a '(kvctl complete-values instances (commandline -ct))' -d 'A running instance: a '\''kvctl serve --name'\'' or inventory name, or a URL (worker 0'\''s internal API, or the lmcache server'\''s HTTP API).'
+complete -c kvctl -n '__kvctl_at '\''quota get'\''' -l state -r -F -d 'The state file of a '\''kvctl serve'\'' (default: the most recent one).'
+complete -c kvctl -n '__kvctl_at '\''quota get'\''' -l inventory -r -F -d 'A kvctl.yaml fleet inventory (default: $KVCTL_INVENTORY, ./kvctl.yaml, ~/.config/kvctl/kvctl.yaml).'
+complete -c kvctl -n '__kvctl_at '\''quota get'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
+complete -c kvctl -n '__kvctl_at '\''quota get'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
+complete -c kvctl -n '__kvctl_at '\''quota get'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
+complete -c kvctl -n '__kvctl_at '\''quota get'\''' -s h -l help -d 'Show help and exit.'
+complete -c kvctl -n '__kvctl_at '\''quota set'\''' -r -F
+complete -c kvctl -n '__kvctl_at '\''quota set'\''' -l instance -x -a '(kvctl complete-values instances (commandline -ct))' -d 'A running instance: a '\''kvctl serve --name'\'' or inventory name, or a URL (worker 0'\''s internal API, or the lmcache server'\''s HTTP API).'
+complete -c kvctl -n '__kvctl_at '\''quota set'\''' -l state -r -F -d 'The state file of a '\''kvctl serve'\'' (default: the most recent one).'
+complete -c kvctl -n '__kvctl_at '\''quota set'\''' -l inventory -r -F -d 'A kvctl.yaml fleet inventory (default: $KVCTL_INVENTORY, ./kvctl.yaml, ~/.config/kvctl/kvctl.yaml).'
+complete -c kvctl -n '__kvctl_at '\''quota set'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
+complete -c kvctl -n '__kvctl_at '\''quota set'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
+complete -c kvctl -n '__kvctl_at '\''quota set'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
+complete -c kvctl -n '__kvctl_at '\''quota set'\''' -s h -l help -d 'Show help and exit.'
+complete -c kvctl -n '__kvctl_at '\''quota rm'\''' -r -F
+complete -c kvctl -n '__kvctl_at '\''quota rm'\''' -l yes -s y -d 'Do not ask (required when not on a terminal).'
+complete -c kvctl -n '__kvctl_at '\''quota rm'\''' -l instance -x -a '(kvctl complete-values instances (commandline -ct))' -d 'A running instance: a '\''kvctl serve --name'\'' or inventory name, or a URL (worker 0'\''s internal API, or the lmcache server'\''s HTTP API).'
+complete -c kvctl -n '__kvctl_at '\''quota rm'\''' -l state -r -F -d 'The state file of a '\''kvctl serve'\'' (default: the most recent one).'
+complete -c kvctl -n '__kvctl_at '\''quota rm'\''' -l inventory -r -F -d 'A kvctl.yaml fleet inventory (default: $KVCTL_INVENTORY, ./kvctl.yaml, ~/.config/kvctl/kvctl.yaml).'
+complete -c kvctl -n '__kvctl_at '\''quota rm'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
+complete -c kvctl -n '__kvctl_at '\''quota rm'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
+complete -c kvctl -n '__kvctl_at '\''quota rm'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
+complete -c kvctl -n '__kvctl_at '\''quota rm'\''' -s h -l help -d 'Show help and exit.'
 complete -c kvctl -f -n '__kvctl_at '\''model'\''' -a tiny -d 'Build a tiny Llama with a BPE tokenizer trained on Python'\''s...'
 complete -c kvctl -n '__kvctl_at '\''model'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
 complete -c kvctl -n '__kvctl_at '\''model'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'

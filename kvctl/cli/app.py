@@ -8,7 +8,22 @@ from typing import Annotated
 
 import typer
 
-from kvctl.cli import cache, completion, config, evict, lookup, model, observe, prewarm, serve, version
+from kvctl.cli import (
+    cache,
+    completion,
+    config,
+    doctor,
+    evict,
+    lookup,
+    manage,
+    manage_backends,
+    model,
+    observe,
+    pinsets,
+    prewarm,
+    serve,
+    version,
+)
 from kvctl.cli.options import OutputFormat
 from kvctl.core.errors import EXIT_CODE_MEANINGS, ExitCode, KvctlError
 from kvctl.output import Output
@@ -34,10 +49,18 @@ app.command("ls")(cache.ls)
 app.command("pin")(cache.pin)
 app.command("unpin")(cache.unpin)
 app.command("pins")(cache.pins)
+app.add_typer(pinsets.app, name="pin-set")
 app.command("evict")(evict.evict)
 app.command("health")(observe.health)
 app.command("stats")(observe.stats)
 app.command("top")(observe.top)
+app.command("freeze")(manage.freeze)
+app.command("hot-cache")(manage.hot_cache)
+app.add_typer(manage_backends.app, name="backends")
+app.add_typer(manage.conf_app, name="conf")
+app.command("chunk-stats")(manage.chunk_stats)
+app.add_typer(manage_backends.quota_app, name="quota")
+app.command("doctor")(doctor.doctor)
 app.command("version")(version.version)
 app.add_typer(model.app, name="model")
 app.add_typer(completion.app, name="completion")

@@ -7,7 +7,6 @@ there, and pretending to pin would be worse than saying so."""
 
 from __future__ import annotations
 
-import re
 from typing import Annotated
 
 import typer
@@ -28,18 +27,11 @@ from kvctl.cli.options import (
     VllmOption,
     tier_names,
 )
+from kvctl.core.durations import parse_duration
 from kvctl.core.errors import ExitCode, UsageError
 from kvctl.output import Table
 
-DURATION = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhd]?)$")
-UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-def parse_duration(text: str) -> float:
-    match = DURATION.match(text.strip())
-    if not match or float(match.group(1)) <= 0:
-        raise UsageError(f"bad duration {text!r}", hint="write it as 600, 30s, 10m, 2h or 1d")
-    return float(match.group(1)) * UNITS[match.group(2)]
+__all__ = ["ls", "pin", "pins", "unpin", "parse_duration"]
 
 
 def ls(
@@ -105,6 +97,7 @@ def pin(
 
     In-process: on the CPU and disk tiers, by kvctl. MP: in L2, fleet-wide, by the LMCache coordinator
     (so with --instance all, only in-process instances pin: MP ones say to pin once by name).
+    `kvctl pin-set apply FILE` pins a whole set of prompts declared in a file.
     """
     from kvctl.core.tokens import PromptSource
 
@@ -180,5 +173,5 @@ def _pins_tables(result, title: str | None = None) -> list:
 
     if result.pins and isinstance(result.pins[0], PinnedKey):
         return [Table(["key", "pins"], [(p.key, p.pin_count) for p in result.pins], title=title)]
-    return [Table(["pin id", "chunks", "tokens", "pinned", "expires in"], [_pin_row(p) for p in result.pins],
-                  title=title)]
+    return [Table(["pin id", "set", "chunks", "tokens", "pinned", "expires in"],
+                  [(p.pin_id, p.set or "", *_pin_row(p)[1:]) for p in result.pins], title=title)]

@@ -42,6 +42,9 @@ def serve(
                                                "cache/serve/state.json).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the commands and environment; start "
                                           "nothing.")] = False,
+    pins: Annotated[Path | None, typer.Option("--pins", help="A pin set file to apply once the engine is ready, "
+                                              "on every start (default: the `pins:` of this --name in the "
+                                              "inventory).", dir_okay=False)] = None,
 ) -> None:
     """Launch vLLM with LMCache, wait until every part is ready, print the endpoints, and supervise.
 
@@ -61,6 +64,7 @@ def serve(
         raise UsageError(f"--coordinator {shown(coordinator)} " + ("with --no-coordinator" if no_coordinator else
                                                               "is not an http:// or https:// URL"),
                          hint="give the coordinator's URL (e.g. http://127.0.0.1:9300), or --no-coordinator alone")
+    pins = _pin_set(out, name, pins)
     plan = build_plan(name=name, model=model, mode=mode.value, tiers=[parse_tier(t) for t in tier or []], config=config,
                       host=host, port=port, internal_api_port_start=internal_api_port_start, mp_port=mp_port,
                       mp_http_port=mp_http_port, state_file=state, extra_vllm_args=extra_vllm_args,
@@ -72,7 +76,25 @@ def serve(
         return
     preflight(plan)
     _announce_lmcache_env(out, plan)
-    _run(out, plan)
+    _run(out, plan, pins)
+
+
+def _pin_set(out, name: str, pins: Path | None) -> Path | None:
+    """The pin set to apply after each start, checked now (a bad file stops serve before it starts
+    anything); an inventory's `pins:` that cannot be read is a warning."""
+    from kvctl.core import pinsets
+    from kvctl.core.errors import KvctlError
+    from kvctl.core.instances import pin_set_file
+
+    if pins is None:
+        try:
+            pins = pin_set_file(name)
+        except KvctlError as error:
+            out.warn(f"no pin set applied: {error.message}")
+            return None
+    if pins is not None:
+        pinsets.load(pins)
+    return pins
 
 
 def _announce_lmcache_env(out, plan) -> None:
@@ -83,7 +105,7 @@ def _announce_lmcache_env(out, plan) -> None:
                  "LMCACHE_* variables over the configuration file (--keep-lmcache-env passes them on)")
 
 
-def _run(out, plan) -> None:
+def _run(out, plan, pins: Path | None = None) -> None:
     from kvctl.core.launch import offload_endpoint, remove_state, write_state
     from kvctl.core.supervisor import Supervisor
 
@@ -98,8 +120,10 @@ def _run(out, plan) -> None:
             extra = offload_endpoint(plan)
             state_paths = write_state(plan, pids, extra)
             endpoints = {**plan.endpoints, **extra}
+            pin_set = {} if pins is None else {"pin_set": _apply_pins(out, state_paths[0], pins)}
             out.emit({"name": plan.name, "mode": plan.mode, "model": plan.model, "endpoints": endpoints,
-                      "logs": {c.name: c.log for c in plan.components}, "state_file": str(state_paths[0])},
+                      "logs": {c.name: c.log for c in plan.components}, "state_file": str(state_paths[0]),
+                      **pin_set},
                      [Table(["endpoint", "address"], [(k, ", ".join(v) if isinstance(v, list) else v)
                                                      for k, v in endpoints.items()],
                             title=f"kvctl serve {plan.name} ({plan.mode}) is ready",
@@ -115,6 +139,23 @@ def _run(out, plan) -> None:
     if supervisor.stop_requested == signal.SIGINT:
         raise typer.Exit(ExitCode.INTERRUPTED)
     out.success(f"stopped {plan.name}")
+
+
+def _apply_pins(out, state_file: Path, pins: Path) -> dict:
+    """Apply the pin set to the engine just started: what it did, or (a warning; serve goes on) why not."""
+    from kvctl.core import pinsets
+    from kvctl.core.errors import KvctlError
+
+    try:
+        result = pinsets.apply_after_start(state_file, pins)
+    except KvctlError as error:
+        out.warn(f"pin set {pins} not applied: {error.message}" + (f" ({error.hint})" if error.hint else ""))
+        return {"file": str(pins), "error": error.message}
+    counts = ", ".join(f"{count} {action}" for action, count in result.as_dict()["counts"].items() if count)
+    out.info(f"pin set {result.set}: {counts or 'nothing to do'}")
+    for where, message in result.errors.items():
+        out.warn(f"pin set {result.set}: {where}: {message}")
+    return result.as_dict()
 
 
 def _ensure_tiny_model(plan, update) -> None:

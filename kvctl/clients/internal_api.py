@@ -59,6 +59,32 @@ class InternalAPIClient(HTTPClient):
             return self.request("GET", "/hot_cache/status")
         return self.request("PUT", "/hot_cache/enable" if enabled else "/hot_cache/disable")
 
+    def set_conf(self, values: dict[str, Any]) -> dict[str, Any]:
+        """POST /conf: {"updated": {key: value}, "errors": {key: why}} (400 when nothing was updated)."""
+        return self.request("POST", "/conf", values)
+
+    def create_backends(self) -> dict[str, Any]:
+        """Create the backends the current configuration names and the engine lacks."""
+        return self.request("POST", "/backends")
+
+    def close_backend(self, name: str) -> dict[str, Any]:
+        return self.request("DELETE", f"/backends/{name}")
+
+    def recreate_backend(self, name: str) -> dict[str, Any]:
+        return self.request("POST", f"/backends/{name}/recreate")
+
+    def bypass_list(self) -> dict[str, Any]:
+        return self.request("GET", "/bypass/list")
+
+    def bypass(self, name: str, bypassed: bool) -> dict[str, Any]:
+        return self.request("PUT", "/bypass/add" if bypassed else "/bypass/remove", params={"backend_name": name})
+
+    def chunk_statistics(self, action: str) -> dict[str, Any]:
+        """start, stop, reset (POST) or status (GET) of the scheduler's chunk statistics."""
+        if action == "status":
+            return self.request("GET", "/chunk_statistics/status")
+        return self.request("POST", f"/chunk_statistics/{action}")
+
     # -- kvctl routes --------------------------------------------------------------------------------
 
     def info(self) -> dict[str, Any]:

@@ -59,6 +59,19 @@ class MPServerClient(HTTPClient):
     def prefetch_status(self, request_id: str) -> dict[str, Any]:
         return self.request("GET", f"/cache/prefetches/{request_id}")
 
+    def quotas(self) -> dict[str, Any]:
+        """{"users": {salt: {"limit_gb", "current_usage_gb"}}} ("_default" is the empty salt)."""
+        return self.request("GET", "/quota")
+
+    def quota(self, salt: str) -> dict[str, Any]:
+        return self.request("GET", f"/quota/{_segment(salt)}")
+
+    def set_quota(self, salt: str, limit_gb: float) -> dict[str, Any]:
+        return self.request("PUT", f"/quota/{_segment(salt)}", {"limit_gb": limit_gb})
+
+    def delete_quota(self, salt: str) -> dict[str, Any]:
+        return self.request("DELETE", f"/quota/{_segment(salt)}")
+
     # -- kvctl routes --------------------------------------------------------------------------------
 
     def info(self) -> dict[str, Any]:
@@ -74,3 +87,10 @@ class MPServerClient(HTTPClient):
         """Which chunks L1 holds, per chunk with its keys (every object group and rank)."""
         body = {"tokens": tokens, "model": model, "world_size": world_size, "cache_salt": cache_salt}
         return self.request("POST", f"{PREFIX}/lookup", {k: v for k, v in body.items() if v})
+
+
+def _segment(text: str) -> str:
+    """One URL path segment: a cache salt may hold any character."""
+    from urllib.parse import quote
+
+    return quote(text, safe="")

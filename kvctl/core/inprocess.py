@@ -31,9 +31,11 @@ def open_workers(worker0: str) -> Iterator[tuple[list, dict[str, Any]]]:
         yield workers, info
 
 
-def pin(worker0: str, tokens: list[int], ttl_s: float | None, tiers: list[str] | None) -> dict[str, Any]:
-    """One pin, under one id, on every worker; `pinned` counts the chunks pinned on every rank."""
-    pin_id = uuid.uuid4().hex[:12]
+def pin(worker0: str, tokens: list[int], ttl_s: float | None, tiers: list[str] | None,
+        pin_id: str | None = None) -> dict[str, Any]:
+    """One pin, under one id (`pin_id`, default a random one), on every worker; `pinned` counts the
+    chunks pinned on every rank."""
+    pin_id = pin_id or uuid.uuid4().hex[:12]
     with open_workers(worker0) as (workers, _info):
         answers = []
         try:
@@ -216,8 +218,9 @@ class InProcessInstance:
 
         return EvictionPlan.from_dict(evict(self.worker0, dry_run=True, **chosen), remove)
 
-    def pin(self, tokens: list[int], ttl_s: float | None, tiers, model: str | None = None):
-        return _typed_pin(pin(self.worker0, tokens, ttl_s, list(tiers) if tiers else None))
+    def pin(self, tokens: list[int], ttl_s: float | None, tiers, model: str | None = None,
+            pin_id: str | None = None):
+        return _typed_pin(pin(self.worker0, tokens, ttl_s, list(tiers) if tiers else None, pin_id))
 
     def unpin(self, *, pin_id: str | None = None, tokens: list[int] | None = None, everything: bool = False,
               model: str | None = None):

@@ -17,6 +17,7 @@ run the user sees and confirms; `EvictionPlan.execute()` removes exactly the pla
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,9 +127,15 @@ class EvictionPlan:
                    answer.get("dry_run", True), dict(answer.get("errors", {})), remove)
 
 
+# A pin set's pins are `set-NAME-DIGEST` (kvctl.core.pinsets): the engine's pin ids are 1-64 of [A-Za-z0-9_-].
+PIN_SET_ID = re.compile(r"set-([A-Za-z0-9_-]+)-([0-9a-f]{12})")
+SET_NAME_MAX = 64 - len("set--") - 12
+
+
 @dataclass
 class Pin:
-    """A kvctl pin on an in-process instance, counted over every rank (`pinned`: chunks per tier)."""
+    """A kvctl pin on an in-process instance, counted over every rank (`pinned`: chunks per tier);
+    `set` is the pin set that holds it (None: a plain pin)."""
 
     pin_id: str
     chunks: int
@@ -139,10 +146,17 @@ class Pin:
     expires: float | None = None
     ranks: int = 1
 
+    @property
+    def set(self) -> str | None:
+        match = PIN_SET_ID.fullmatch(self.pin_id)
+        return match.group(1) if match else None
+
     def as_dict(self) -> dict[str, Any]:
-        return {"pin_id": self.pin_id, "chunks": self.chunks, "tokens": self.tokens, "created": self.created,
-                "expires": self.expires, "ttl_remaining_s": self.ttl_remaining_s, "pinned": self.pinned,
-                "ranks": self.ranks}
+        """`set` only for a pin set's pin: a plain pin's answer keeps the shape it always had."""
+        held = {"set": self.set} if self.set is not None else {}
+        return {"pin_id": self.pin_id, **held, "chunks": self.chunks, "tokens": self.tokens,
+                "created": self.created, "expires": self.expires, "ttl_remaining_s": self.ttl_remaining_s,
+                "pinned": self.pinned, "ranks": self.ranks}
 
 
 @dataclass

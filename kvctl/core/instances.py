@@ -8,6 +8,9 @@ Inventory (`kvctl.yaml`; `--inventory`, `$KVCTL_INVENTORY`, `./kvctl.yaml`, or t
       b: {internal_api: http://127.0.0.1:7001, vllm: http://127.0.0.1:8001}
     redis: redis://127.0.0.1:6379/0                  # shared Redis tier (optional)
     coordinator: http://127.0.0.1:9300               # LMCache MP coordinator (optional)
+
+An instance's `pins: FILE` (relative to the inventory) is the pin set `kvctl serve --name NAME` re-applies
+after every start (kvctl.core.pinsets).
 """
 
 from __future__ import annotations
@@ -178,6 +181,17 @@ def inventory_value(name: str, inventory: Path | None = None) -> Any:
     """A fleet-wide setting of the inventory (`redis`, `coordinator`), None without one."""
     path = find_inventory(inventory)
     return read_inventory(path).get(name) if path else None
+
+
+def pin_set_file(name: str, inventory: Path | None = None) -> Path | None:
+    """The `pins:` file of the inventory's instance `name` (relative to the inventory), None without one."""
+    path = find_inventory(inventory)
+    entry = read_inventory(path)["instances"].get(name) if path else None
+    if not isinstance(entry, dict) or entry.get("pins") is None:
+        return None
+    if not isinstance(entry["pins"], str) or not entry["pins"]:
+        raise KvctlError(f"instance {name!r} in {path}: pins is not a file name", hint="write pins: FILE (a pin set)")
+    return path.parent / Path(entry["pins"]).expanduser()
 
 
 def shared_redis(inventory: Path | None = None) -> str | None:

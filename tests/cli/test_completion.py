@@ -19,6 +19,11 @@ def test_checked_in_scripts_are_up_to_date(shell):
         f"completions/{SCRIPT_NAMES[shell]} is stale: run 'make completions'")
 
 
+# every command a user sees, in the order kvctl --help lists them
+TOP_COMMANDS = ["serve", "prewarm", "lookup", "keys", "ls", "pin", "unpin", "pins", "evict", "health", "stats", "top",
+                "freeze", "hot-cache", "chunk-stats", "doctor", "version", "config", "pin-set", "backends", "conf",
+                "quota", "model", "completion"]
+
 def bash_complete(*words, path=None, env=None, cwd=None):
     line = " ".join(f"'{word}'" for word in words)
     script = (f'source {SCRIPTS / "kvctl.bash"}; COMP_WORDS=({line}); COMP_CWORD=$((${{#COMP_WORDS[@]}}-1)); '
@@ -30,9 +35,8 @@ def bash_complete(*words, path=None, env=None, cwd=None):
 
 
 @pytest.mark.parametrize(("words", "expected"), [
-    (["kvctl", "con"], ["config"]),
-    (["kvctl", ""], ["serve", "prewarm", "lookup", "keys", "ls", "pin", "unpin", "pins", "evict", "health", "stats",
-                     "top", "version", "config", "model", "completion"]),
+    (["kvctl", "con"], ["config", "conf"]),
+    (["kvctl", ""], TOP_COMMANDS),
     (["kvctl", "config", ""], ["init", "validate", "show"]),
     (["kvctl", "config", "init", "--mo"], ["--mode", "--model"]),
     (["kvctl", "config", "init", "--mode", ""], ["inprocess", "mp"]),
@@ -91,7 +95,7 @@ def fish_complete(line):
 
 
 @pytest.mark.parametrize(("line", "expected"), [
-    ("kvctl con", ["config"]),
+    ("kvctl con", ["conf", "config"]),
     ("kvctl config ", ["init", "show", "validate"]),
     ("kvctl config init --mode ", ["inprocess", "mp"]),
     ("kvctl --format json config init --tier cpu:1 --hash-algorithm x", ["xxhash", "xxhash_cbor"]),
@@ -114,8 +118,7 @@ _kvctl
 
 
 @pytest.mark.parametrize(("words", "expected"), [
-    (["kvctl", "co"], "serve prewarm lookup keys ls pin unpin pins evict health stats top version config model "
-     "completion"),
+    (["kvctl", "co"], " ".join(TOP_COMMANDS)),
     (["kvctl", "config", "init", "--mode", ""], "inprocess mp"),
     (["kvctl", "config", "init", "--out", ""], "<files -/>"),
     (["kvctl", "config", "validate", ""], "<files >"),

@@ -1,0 +1,707 @@
+"""`kvctl doctor`: why would this deployment miss? Findings over one running instance, a configuration
+directory (no engine) or a whole fleet, each with what it costs and what to do.
+
+Every check is a small function that returns findings; the pure ones (comparisons of facts, Redis INFO
+sections, metrics) take plain data, the others read one thing (a directory, a Redis server, a running
+engine's /conf, /meta, /env, /metrics). A check that cannot run says why in an info finding.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvctl.core.errors import KvctlError
+
+LEVELS = ("error", "warning", "info")
+UNSET = "(unset)"  # a PYTHONHASHSEED known to be absent, unlike None (not known)
+TIMEOUT_S = 10.0
+REDIS_HEADROOM = 0.9  # used_memory above this share of maxmemory is a warning
+SEED_FREE_ALGORITHMS = ("blake3",)  # MP's default hash: independent of PYTHONHASHSEED
+
+
+@dataclass
+class Finding:
+    level: str  # "error", "warning", "info"
+    check: str
+    what: str
+    cost: str
+    hint: str | None = None
+    instance: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        answer = {"level": self.level, "check": self.check, "what": self.what, "cost": self.cost, "hint": self.hint}
+        if self.instance is not None:
+            answer["instance"] = self.instance
+        return answer
+
+
+@dataclass
+class Report:
+    findings: list[Finding] = field(default_factory=list)
+
+    def count(self, level: str) -> int:
+        return sum(finding.level == level for finding in self.findings)
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.count("error") else 0
+
+    def as_dict(self) -> dict[str, Any]:
+        ordered = sorted(self.findings, key=lambda finding: LEVELS.index(finding.level))
+        return {"findings": [finding.as_dict() for finding in ordered], "errors": self.count("error"),
+                "warnings": self.count("warning")}
+
+
+def _info(check: str, why: str, instance: str | None = None) -> Finding:
+    return Finding("info", check, why, "this check did not run", None, instance)
+
+
+# -- key compatibility ---------------------------------------------------------------------------
+
+
+@dataclass
+class KeyFacts:
+    """What makes a member's chunk keys (and its versions), as one source tells it; None: not known."""
+
+    chunk_size: int | None = None
+    hash_algorithm: str | None = None
+    hash_seed: str | None = None
+    model: str | None = None
+    kv_dtype: str | None = None
+    world_size: int | None = None
+    lmcache_version: str | None = None
+    vllm_version: str | None = None
+
+    def seed_matters(self) -> bool:
+        return self.hash_algorithm not in SEED_FREE_ALGORITHMS
+
+
+KEY_FIELDS = {  # field -> (label, hint)
+    "chunk_size": ("chunk size", "set the same chunk_size in every member's configuration (and no LMCACHE_CHUNK_SIZE "
+                   "override)"),
+    "hash_algorithm": ("hash algorithm", "set the same pre_caching_hash_algorithm (MP: --hash-algorithm) everywhere"),
+    "hash_seed": ("PYTHONHASHSEED", "export the same PYTHONHASHSEED to every vLLM (env.sh)"),
+    "model": ("model name", "give every vLLM the same --model value: a path and a hub id make different keys"),
+    "kv_dtype": ("KV dtype", "run every vLLM with the same --dtype / --kv-cache-dtype"),
+    "world_size": ("world size", "keys embed TP x PP: only members with the same world size share chunks"),
+}
+VERSION_FIELDS = {
+    "lmcache_version": ("LMCache version", "upgrade every member to one LMCache version together"),
+    "vllm_version": ("vLLM version", "upgrade every member to one vLLM version together"),
+}
+
+
+def _show(value: Any) -> str:
+    return UNSET if value is None else str(value)
+
+
+def _split_cost(groups: dict[str, list[str]]) -> str:
+    """`a will never hit b's chunks` for two members; the groups for more."""
+    names = [sorted(members) for members in groups.values()]
+    if len(names) == 2 and len(names[0]) == 1 and len(names[1]) == 1:
+        a, b = names[0][0], names[1][0]
+        return f"{a} will never hit {b}'s chunks, nor {b} {a}'s, in any shared tier"
+    shown = " | ".join(", ".join(group) for group in names)
+    return f"members in different groups ({shown}) make different keys: none hits another group's chunks"
+
+
+def compare_members(members: dict[str, KeyFacts]) -> list[Finding]:
+    """Across a fleet: a key ingredient that differs is an error (shared tiers never hit); versions out
+    of lockstep a warning; a PYTHONHASHSEED known to be unset where it matters an error."""
+    findings = []
+    for name, facts in members.items():
+        if facts.hash_seed == UNSET and facts.seed_matters():
+            findings.append(Finding("error", "key_compatibility", f"PYTHONHASHSEED is unset in the serving process "
+                                    f"(hash {facts.hash_algorithm or 'builtin'})",
+                                    f"{name}'s keys change with every restart: it never hits what it stored before, "
+                                    "and no peer hits its chunks", KEY_FIELDS["hash_seed"][1], name))
+    for table, level in ((KEY_FIELDS, "error"), (VERSION_FIELDS, "warning")):
+        for name_of_field, (label, hint) in table.items():
+            known = {name: getattr(facts, name_of_field) for name, facts in members.items()
+                     if getattr(facts, name_of_field) is not None
+                     and (name_of_field != "hash_seed" or facts.seed_matters())}
+            groups: dict[str, list[str]] = {}
+            for name, value in known.items():
+                groups.setdefault(str(value), []).append(name)
+            if len(groups) < 2:
+                continue
+            values = ", ".join(f"{name}={_show(value)}" for name, value in known.items())
+            cost = (_split_cost(groups) if level == "error" else
+                    "the key recipe, on-store layouts and wire formats may differ between versions")
+            findings.append(Finding(level, "key_compatibility" if level == "error" else "version_lockstep",
+                                    f"{label} differs across members: {values}", cost, hint))
+    return findings
+
+
+def compare_with_config(running: KeyFacts, config: KeyFacts, config_name: str, instance: str | None = None,
+                        skip: frozenset[str] = frozenset()) -> list[Finding]:
+    """One instance's running values against its configuration directory's files (warnings)."""
+    findings = []
+    for name_of_field, (label, hint) in KEY_FIELDS.items():
+        if name_of_field in skip:
+            continue
+        live, written = getattr(running, name_of_field), getattr(config, name_of_field)
+        if live is None or written is None or str(live) == str(written):
+            continue
+        if name_of_field == "hash_seed" and not (running.seed_matters() and config.seed_matters()):
+            continue
+        findings.append(Finding("warning", "config_drift", f"{label}: the running process has {_show(live)}, "
+                                f"{config_name} says {_show(written)}",
+                                "offline lookups, evictions and every peer built from these files compute other keys "
+                                "than the running engine stores", f"restart from the configuration, or fix it; {hint}",
+                                instance))
+    return findings
+
+
+# -- LMCACHE_* overrides ---------------------------------------------------------------------------
+
+
+def env_overrides(environ: dict[str, str], file_values: dict[str, Any], effective: dict[str, Any] | None,
+                  file_name: str = "lmcache.yaml", instance: str | None = None) -> list[Finding]:
+    """LMCACHE_* variables of the running process that LMCache reads over the file: a warning where the
+    file sets the key to something else (naming variable, file value and effective value), an info
+    where the file leaves the key to the default."""
+    from kvctl.core.lmcache_config import ConversionError, convert_value, env_key, env_value, redact
+
+    findings = []
+    for variable, text in sorted(environ.items()):
+        key = env_key(variable)
+        if key is None:
+            continue
+        try:
+            from_env = convert_value(key, env_value(text))
+        except ConversionError:
+            from_env = env_value(text)
+        live = (effective or {}).get(key, from_env)
+        if key in file_values:
+            try:
+                written = convert_value(key, file_values[key])
+            except ConversionError:
+                written = file_values[key]
+            if written == from_env:
+                continue
+            findings.append(Finding(
+                "warning", "env_override",
+                f"{variable}={redact(key, text)} overrides {key}: {redact(key, written)} in {file_name}, "
+                f"effective {redact(key, live)}",
+                "the file does not describe what runs: tools and peers that read it get this setting wrong",
+                f"unset {variable} where vLLM starts (kvctl serve drops inherited LMCACHE_* unless "
+                f"--keep-lmcache-env), or write it into {file_name}", instance))
+        else:
+            findings.append(Finding("info", "env_override", f"{variable}={redact(key, text)} sets {key} (effective "
+                                    f"{redact(key, live)}), which {file_name} leaves to the default",
+                                    "none while it matches every peer", f"write {key} into {file_name} to keep it in "
+                                    "one place", instance))
+    return findings
+
+
+# -- disk tier ------------------------------------------------------------------------------------
+
+
+def disk_findings(directories: list[str], budget_bytes: int | None, suffix: str = ".pt",
+                  instance: str | None = None) -> list[Finding]:
+    """Files LMCache cannot use in a disk tier (foreign names, zero-length or torn chunk files whose size
+    differs from their siblings'), bytes beyond the budget, free space below it."""
+    from kvctl.core.keys import parse_key, parse_object_key
+
+    def kind_of(name: str):
+        """What a file's size must match (model, rank, dtype), None for a name that is no chunk."""
+        if not name.endswith(suffix):
+            return None
+        if suffix == ".data":  # the MP server's fs L2 adapter: a header, then the data
+            parsed = parse_object_key(name)
+            return None if parsed is None else (parsed.model_name, parsed.kv_rank, parsed.object_group_id)
+        parsed = parse_key(name[: -len(suffix)])
+        return None if parsed is None else (parsed.model_name, parsed.world_size, parsed.kv_dtype)
+
+    findings: list[Finding] = []
+    total = 0
+    for directory in directories:
+        try:
+            entries = [entry for entry in os.scandir(directory) if entry.is_file(follow_symlinks=False)]
+        except FileNotFoundError:
+            findings.append(_info("disk", f"the disk tier directory {directory} does not exist yet", instance))
+            continue
+        except OSError as error:
+            findings.append(_info("disk", f"cannot read the disk tier directory {directory}: {error.strerror}",
+                                  instance))
+            continue
+        sizes: dict[str, int] = {}
+        foreign = []
+        by_kind: dict[tuple, list[str]] = {}
+        for entry in entries:
+            if entry.name.startswith(".kvctl"):
+                continue
+            size = entry.stat(follow_symlinks=False).st_size
+            total += size
+            kind = kind_of(entry.name)
+            if kind is None:
+                foreign.append(entry.name)
+                continue
+            sizes[entry.name] = size
+            by_kind.setdefault(kind, []).append(entry.name)
+        if foreign:
+            findings.append(Finding("warning", "disk", f"{len(foreign)} file(s) in {directory} are no LMCache chunk: "
+                                    f"{', '.join(sorted(foreign)[:5])}", "disk space the tier's budget does not count "
+                                    "and LMCache never reads", "move them out of the cache directory", instance))
+        empty = sorted(name for name, size in sizes.items() if size == 0)
+        if empty:
+            findings.append(Finding("warning", "disk", f"{len(empty)} zero-length chunk file(s) in {directory}: "
+                                    f"{', '.join(empty[:5])}", "a chunk that reads as garbage or fails to load",
+                                    "remove them: kvctl evict --config DIR --key KEY", instance))
+        for names in by_kind.values():
+            usual, _ = Counter(sizes[name] for name in names if sizes[name]).most_common(1)[0] if any(
+                sizes[name] for name in names) else (0, 0)
+            torn = sorted(name for name in names if sizes[name] and sizes[name] != usual)
+            if torn and len(names) > 1:
+                findings.append(Finding("warning", "disk", f"{len(torn)} torn chunk file(s) in {directory} "
+                                        f"({sizes[torn[0]]} bytes where the others have {usual}): "
+                                        f"{', '.join(torn[:5])}", "a truncated chunk: loading it fails or brings "
+                                        "wrong KV values", "remove them: kvctl evict --config DIR --key KEY",
+                                        instance))
+    if budget_bytes:
+        if total > budget_bytes:
+            findings.append(Finding("warning", "disk", f"the disk tier holds {_size(total)}, beyond its budget "
+                                    f"max_local_disk_size {_size(budget_bytes)}", "LMCache's index starts empty "
+                                    "and does not count these bytes: the disk fills past the budget",
+                                    "evict old chunks (kvctl evict --config DIR --all) or raise the budget", instance))
+        for directory in directories:
+            try:
+                usage = os.statvfs(directory)
+            except OSError:
+                continue
+            free = usage.f_bavail * usage.f_frsize
+            if free + min(total, budget_bytes) < budget_bytes:
+                findings.append(Finding("warning", "disk", f"the file system of {directory} has {_size(free)} free, "
+                                        f"less than the budget {_size(budget_bytes)} still needs",
+                                        "stores fail (or evict early) before the tier reaches its budget",
+                                        "free space or lower max_local_disk_size", instance))
+    return findings
+
+
+def _size(count: float) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= scale:
+            return f"{count / scale:.4g} {unit}"
+    return f"{int(count)} B"
+
+
+# -- Redis --------------------------------------------------------------------------------------
+
+
+def redis_info_findings(memory: dict[str, Any], stats: dict[str, Any], where: str,
+                        instance: str | None = None) -> list[Finding]:
+    """A Redis server's INFO memory and stats: a policy that splits a chunk's two names, evictions that
+    happened, memory near maxmemory."""
+    from kvctl.clients.redis_tier import split_eviction_risk
+
+    findings = []
+    if risk := split_eviction_risk(memory):
+        findings.append(Finding("warning", "redis", f"{where}: {risk}", "chunks LMCache counts as stored but cannot "
+                                "read: a hit turns into a recompute", "use maxmemory-policy noeviction (or "
+                                "volatile-lru, LMCache sets no TTL) and size maxmemory for the cache", instance))
+    evicted = int(stats.get("evicted_keys") or 0)
+    if evicted:
+        findings.append(Finding("warning", "redis", f"{where} has evicted {evicted} key(s)", "evicted chunks are "
+                                "misses; with two names per chunk, possibly half-chunks", "raise maxmemory or store "
+                                "less", instance))
+    used, limit = int(memory.get("used_memory") or 0), int(memory.get("maxmemory") or 0)
+    if limit and used > REDIS_HEADROOM * limit:
+        findings.append(Finding("warning", "redis", f"{where} uses {_size(used)} of maxmemory {_size(limit)}",
+                                "the next stores evict chunks (or fail under noeviction)", "raise maxmemory",
+                                instance))
+    return findings
+
+
+def redis_findings(url, instance: str | None = None) -> list[Finding]:
+    from kvctl.clients.redis_tier import RedisTier
+
+    where = f"Redis {url.url(redact=True)}"
+    try:
+        with RedisTier(url) as redis:
+            redis.ping()
+            memory = redis.memory()
+            with redis._session() as client:
+                stats = client.info("stats") if url.scheme != "redis-cluster" else {}
+    except KvctlError as error:
+        return [Finding("error", "redis", f"{where} does not answer: {error.message}", "every chunk on Redis is a "
+                        "miss: LMCache reports 'not contained' while its connection is down", error.hint, instance)]
+    return redis_info_findings(memory, stats, where, instance)
+
+
+# -- exposure -------------------------------------------------------------------------------------
+
+
+def exposure_findings(values: dict[str, Any], env: dict[str, str], where: str,
+                      instance: str | None = None) -> list[Finding]:
+    """Management routes bound beyond loopback, /run_script enabled (in-process keys and MP flags alike)."""
+    from kvctl.core.config_init import is_loopback
+    from kvctl.core.lmcache_config import to_bool
+
+    findings = []
+
+    def truthy(key: str) -> bool:
+        try:
+            return to_bool(values.get(key, False))
+        except ValueError:
+            return False
+
+    hosts = []
+    if truthy("internal_api_server_enabled") and not values.get("internal_api_server_socket_path_prefix"):
+        hosts.append(("internal_api_server_host", values.get("internal_api_server_host") or "127.0.0.1"))
+    if "http_host" in values:
+        hosts.append(("http_host", values.get("http_host") or "127.0.0.1"))
+    for key, host in hosts:
+        if is_loopback(str(host)):
+            continue
+        guarded = bool(env.get("KVCTL_ROUTES_TOKEN"))
+        findings.append(Finding("warning" if guarded else "error", "exposure",
+                                f"{where}: {key} {host} binds the management API beyond loopback"
+                                + (" (kvctl's routes want KVCTL_ROUTES_TOKEN)" if guarded else ""),
+                                "anyone who reaches the port can read /env (every variable, secrets included), "
+                                "change /conf and clear the cache", "bind it to 127.0.0.1 and reach it through an "
+                                "SSH tunnel or an authenticating proxy", instance))
+    if truthy("run_script_api_enabled"):
+        findings.append(Finding("error", "exposure", f"{where}: run_script_api_enabled is on: POST /run_script runs "
+                                "the Python it is sent", "remote code execution in the serving process for anyone "
+                                "who reaches the management port", "set run_script_api_enabled: false", instance))
+    return findings
+
+
+EXPOSURE_KEYS = ("internal_api_server_enabled", "internal_api_server_host", "internal_api_server_socket_path_prefix",
+                 "run_script_api_enabled")
+SECRET_LINE = re.compile(r"(password|passwd|secret|token|api_key|apikey)[^=:\n]*[=:]\s*['\"]?[^\s'\"]+"
+                         r"|://[^/\s:@]*:[^/\s@]+@", re.IGNORECASE)
+
+
+def secret_file_findings(paths: list[Path], instance: str | None = None) -> list[Finding]:
+    """A file holding a password or token that other users can read."""
+    findings = []
+    for path in paths:
+        try:
+            mode = path.stat().st_mode
+            text = path.read_text(errors="replace")
+        except OSError:
+            continue
+        if not (mode & 0o077) or not SECRET_LINE.search(text):
+            continue
+        world = bool(mode & stat.S_IROTH)
+        findings.append(Finding("error" if world else "warning", "secrets",
+                                f"{path} holds a password or token and is readable by "
+                                f"{'every user' if world else 'its group'} (mode {stat.S_IMODE(mode):o})",
+                                "others on the machine can read the Redis or route credentials",
+                                f"chmod 600 {path}", instance))
+    return findings
+
+
+# -- the connector retrieving ------------------------------------------------------------------------
+
+
+def retrieve_findings(stats: dict[str, Any] | None, instance: str | None = None) -> list[Finding]:
+    """Lookups that hit while retrieves bring nothing: the connector is not loading what LMCache has."""
+    if not stats:
+        return [_info("retrieve", "no LMCache metrics to compare lookups and retrieves", instance)]
+    lookup_hits = (stats.get("lookup") or {}).get("hit_tokens")
+    retrieve = stats.get("retrieve") or {}
+    if not lookup_hits:
+        return []
+    if retrieve.get("hit_tokens") is None and retrieve.get("requests") is None:
+        return [_info("retrieve", "the engine exports no retrieve metrics", instance)]
+    if not retrieve.get("hit_tokens"):
+        return [Finding("error", "retrieve", f"lookups hit {lookup_hits:,.0f} tokens but retrieves brought "
+                        f"{retrieve.get('hit_tokens') or 0:,.0f} (of {retrieve.get('tokens') or 0:,.0f} requested)",
+                        "every hit is recomputed: the cache costs stores and lookups and saves nothing",
+                        "check the connector in vLLM's log (on CPU: 'No supported cpu connector found'; kvctl serve "
+                        "loads kvctl_plugins.vllm_connector), and min_retrieve_tokens", instance)]
+    return []
+
+
+# -- facts from a configuration directory and from a running engine -------------------------------------
+
+
+@dataclass
+class ConfigView:
+    """What a configuration directory says, for the checks that read files."""
+
+    path: Path
+    mode: str
+    facts: KeyFacts
+    values: dict[str, Any]  # lmcache.yaml as written
+    settings: dict[str, Any]  # effective (in-process) or as written (MP)
+    env: dict[str, str]
+    stores: list
+    files: list[Path]
+
+
+def read_config(config: str | os.PathLike) -> ConfigView:
+    from kvctl.core.keys import dtype_name
+    from kvctl.core.lmcache_config import locate
+    from kvctl.core.lmcache_schema import mp_server_flags
+    from kvctl.core.target import read_deployment
+
+    deployment = read_deployment(config)
+    files = [path for path in vars(locate(config)).values() if path is not None]
+    has_env = any(path.name == "env.sh" for path in files)
+    seed = deployment.env.get("PYTHONHASHSEED", UNSET if has_env else None)
+    settings = deployment.settings
+    if deployment.mode == "mp":
+        flags = mp_server_flags()
+        facts = KeyFacts(settings.get("chunk_size", flags["chunk_size"]["default"]),
+                         settings.get("hash_algorithm", flags["hash_algorithm"]["default"]), seed,
+                         deployment.env.get("KVCTL_MODEL"))
+    else:
+        dtype = deployment.env.get("KVCTL_KV_DTYPE")
+        facts = KeyFacts(settings["chunk_size"], settings["pre_caching_hash_algorithm"], seed,
+                         deployment.env.get("KVCTL_MODEL"), dtype_name(dtype) if dtype else None)
+    return ConfigView(Path(config), deployment.mode, facts, deployment.values, settings, deployment.env,
+                      deployment.stores, files)
+
+
+@dataclass
+class Running:
+    """What a running instance answered (None where it did not), and why not."""
+
+    facts: KeyFacts
+    mode: str
+    env: dict[str, str] | None = None
+    conf: dict[str, Any] | None = None
+    stats: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _ask(notes: list[str], what: str, call):
+    try:
+        return call()
+    except KvctlError as error:
+        notes.append(f"{what}: {error.message}")
+        return None
+
+
+def read_running(address, timeout: float = TIMEOUT_S) -> Running:
+    """The key facts, environment, configuration and metrics of a running instance (in-process: worker
+    0's internal API server; MP: the lmcache server's HTTP API), plus vLLM's /version."""
+    from kvctl.core.instances import identify
+    from kvctl.core.keys import dtype_name
+    from kvctl.core.observe import lmcache_stats, merge_samples
+
+    address = identify(address)
+    notes: list[str] = []
+    facts = KeyFacts()
+    if address.mp_http:
+        from kvctl.clients.mp_server import MPServerClient
+
+        with MPServerClient(address.mp_http, timeout) as server:
+            status = server.status()  # unreachable: the instance's failure
+            facts.chunk_size, facts.hash_algorithm = status.get("chunk_size"), status.get("hash_algorithm")
+            contexts = list((status.get("cache_context_meta") or {}).values())
+            if contexts:
+                facts.model, facts.world_size = contexts[0].get("model_name"), contexts[0].get("world_size")
+            facts.lmcache_version = _ask(notes, "version", lambda: server.request("GET", "/lmc_version"))
+            env = _ask(notes, "/env", lambda: server.request("GET", "/env"))
+            running = Running(facts, "mp", env if isinstance(env, dict) else None, None, None, notes)
+    else:
+        from kvctl.clients.internal_api import InternalAPIClient
+
+        if not address.worker:
+            raise KvctlError(f"{address.name} names no internal API server", hint="give internal_api: URL")
+        with InternalAPIClient(address.worker, timeout) as worker:
+            facts.lmcache_version = worker.version()  # unreachable: the instance's failure
+            conf = _ask(notes, "/conf", worker.conf) or {}
+            meta = _ask(notes, "/meta", worker.meta) or {}
+            env = _ask(notes, "/env", worker.env)
+            metrics = _ask(notes, "/metrics", worker.metrics)
+            if facts.vllm_version is None and not address.vllm:
+                answer = _ask([], "/inference_version", lambda: worker.request("GET", "/inference_version"))
+                facts.vllm_version = answer.get("vllm_version") if isinstance(answer, dict) else None
+        facts.chunk_size, facts.hash_algorithm = conf.get("chunk_size"), conf.get("pre_caching_hash_algorithm")
+        facts.model, facts.world_size = meta.get("model_name"), meta.get("world_size")
+        if meta.get("kv_dtype"):
+            try:
+                facts.kv_dtype = dtype_name(str(meta["kv_dtype"]).removeprefix("torch."))
+            except KvctlError:
+                facts.kv_dtype = str(meta["kv_dtype"])
+        stats = lmcache_stats(merge_samples([metrics]), None) if isinstance(metrics, str) else None
+        running = Running(facts, "inprocess", env if isinstance(env, dict) else None, conf or None, stats, notes)
+    if running.env is not None:
+        facts.hash_seed = running.env.get("PYTHONHASHSEED", UNSET)
+    if address.vllm:
+        from kvctl.clients.vllm import VLLMClient
+
+        with VLLMClient(address.vllm, timeout) as vllm:
+            answer = _ask(notes, "vLLM /version", lambda: vllm._call("GET", "/version"))
+        facts.vllm_version = answer.get("version") if isinstance(answer, dict) else facts.vllm_version
+    return running
+
+
+# -- putting the checks together --------------------------------------------------------------------
+
+
+def config_findings(view: ConfigView, instance: str | None = None) -> list[Finding]:
+    """Everything a configuration directory alone shows: exposure, secrets, disk and Redis stores."""
+    findings = exposure_findings(view.settings if view.mode == "inprocess" else view.values, view.env,
+                                 str(view.path), instance)
+    findings += secret_file_findings(view.files, instance)
+    findings += store_findings(view.stores, view.settings, instance)
+    if view.facts.hash_seed == UNSET and view.facts.seed_matters():
+        findings.append(Finding("warning", "key_compatibility", f"{view.path}/env.sh sets no PYTHONHASHSEED",
+                                "without a fixed seed vLLM's NONE_HASH differs per process: keys never match across "
+                                "restarts or peers", "export PYTHONHASHSEED=0 in env.sh", instance))
+    return findings
+
+
+def store_findings(stores: list, settings: dict[str, Any], instance: str | None = None,
+                   seen: set | None = None) -> list[Finding]:
+    findings = []
+    seen = set() if seen is None else seen
+    for store in stores:
+        if store.tier == "disk":
+            marker = ("disk", store.directories)
+            if marker in seen:
+                continue
+            seen.add(marker)
+            budget = settings.get("max_local_disk_size") if store.layout == "lmcache-disk" else None
+            findings += disk_findings(list(store.directories), int(float(budget) * 1024**3) if budget else None,
+                                      ".pt" if store.layout == "lmcache-disk" else ".data", instance)
+        elif store.redis is not None:
+            marker = ("redis", store.redis.url(redact=True))
+            if marker in seen:
+                continue
+            seen.add(marker)
+            findings += redis_findings(store.redis, instance)
+    return findings
+
+
+@dataclass
+class Examination:
+    """One running member: its facts and the findings about it alone."""
+
+    name: str
+    facts: KeyFacts
+    findings: list[Finding]
+    stores: list
+
+
+def examine(address, config: str | os.PathLike | None = None, timeout: float = TIMEOUT_S) -> Examination:
+    """Every check of one running instance against its configuration directory (the address's, the
+    given one, or the directory of the process's LMCACHE_CONFIG_FILE)."""
+    from kvctl.core.target import Store
+    from kvctl.core.tiers import parse_redis_url
+
+    name = address.name
+    running = read_running(address, timeout)
+    findings = [_info("running", f"not read: {note}", name) for note in running.notes]
+    config = config or address.config_dir
+    if config is None and running.env and running.env.get("LMCACHE_CONFIG_FILE"):
+        candidate = Path(running.env["LMCACHE_CONFIG_FILE"]).parent
+        config = candidate if candidate.is_dir() else None
+    view = None
+    if config is not None:
+        try:
+            view = read_config(config)
+        except KvctlError as error:
+            findings.append(_info("config_drift", f"cannot read the configuration {config}: {error.message}", name))
+    else:
+        findings.append(_info("config_drift", "no configuration directory known (give --config, or config_dir in "
+                              "the inventory): running values not compared with files", name))
+    overridden: set[str] = set()
+    if view is not None and running.env is not None and running.mode == "inprocess":
+        override = env_overrides(running.env, view.values, running.conf, "lmcache.yaml", name)
+        overridden = {finding.what.split("=", 1)[0] for finding in override if finding.level == "warning"}
+        findings += override
+    elif running.env is None:
+        findings.append(_info("env_override", "the process's environment (/env) did not answer", name))
+    if view is not None:
+        skip = frozenset(key for key, variable in (("chunk_size", "LMCACHE_CHUNK_SIZE"), (
+            "hash_algorithm", "LMCACHE_PRE_CACHING_HASH_ALGORITHM")) if variable in overridden)
+        findings += compare_with_config(running.facts, view.facts, str(view.path), name, skip)
+        findings += exposure_findings(view.settings if view.mode == "inprocess" else view.values, view.env,
+                                      str(view.path), name)
+        findings += secret_file_findings(view.files, name)
+    if running.conf and (view is None or any(running.conf.get(key) != view.settings.get(key) for key in EXPOSURE_KEYS)):
+        findings += exposure_findings(running.conf, view.env if view else {}, "running engine", name)
+    if running.mode == "inprocess":
+        findings += retrieve_findings(running.stats, name)
+    stores = list(view.stores) if view is not None else []
+    if not stores and running.conf:
+        conf = running.conf
+        if conf.get("local_disk") and conf.get("max_local_disk_size"):
+            paths = [part.strip().removeprefix("file://") for part in str(conf["local_disk"]).split(",")]
+            stores.append(Store("disk", "lmcache-disk", tuple(paths)))
+        remote = str(conf.get("remote_url") or "")
+        if remote.split("://")[0] in ("redis", "rediss", "redis-sentinel", "redis-cluster"):
+            stores.append(Store("redis", "lmcache-redis", redis=parse_redis_url(remote)))
+    settings = view.settings if view is not None else (running.conf or {})
+    return Examination(name, running.facts, findings, [(store, settings) for store in stores])
+
+
+def diagnose_config(config: str | os.PathLike) -> Report:
+    """A configuration directory with no engine."""
+    view = read_config(config)
+    findings = config_findings(view)
+    findings.append(_info("running", "no engine given (--instance): running values, LMCACHE_* overrides and "
+                          "retrieves are not checked"))
+    return Report(findings)
+
+
+def diagnose_instance(address, config: str | os.PathLike | None = None, timeout: float = TIMEOUT_S) -> Report:
+    try:
+        examination = examine(address, config, timeout)
+    except KvctlError as error:
+        return Report([_unreachable(address.name, error.message, error.hint)])
+    findings = list(examination.findings)
+    findings += compare_members({examination.name: examination.facts})
+    seen: set = set()
+    for store, settings in examination.stores:
+        findings += store_findings([store], settings, examination.name, seen)
+    return Report(findings)
+
+
+def _unreachable(name: str, message: str, hint: str | None) -> Finding:
+    return Finding("error", "reachable", f"{name} did not answer: {message}", "every request it serves is a "
+                   "miss for the fleet, and none of its checks ran", hint or "start it, or fix its address", name)
+
+
+def diagnose_fleet(state=None, inventory=None, timeout: float = TIMEOUT_S) -> Report:
+    """Every inventory member examined at once, then compared with each other; shared stores once."""
+    from kvctl.core import instances
+    from kvctl.core.target import Store
+    from kvctl.core.tiers import parse_redis_url
+
+    members = instances.resolve("all", state, inventory)
+    outcomes = instances.fan_out(members, lambda address: examine(address, None, timeout), timeout + 5)
+    findings: list[Finding] = []
+    facts: dict[str, KeyFacts] = {}
+    stores: list = []
+    for outcome in outcomes:
+        if outcome.error is not None:
+            findings.append(_unreachable(outcome.instance, outcome.error, outcome.hint))
+            continue
+        findings += outcome.result.findings
+        facts[outcome.instance] = outcome.result.facts
+        stores += [(store, settings, outcome.instance) for store, settings in outcome.result.stores]
+    findings += compare_members(facts)
+    seen: set = set()
+    for store, settings, name in stores:
+        findings += store_findings([store], settings, name, seen)
+    shared = instances.shared_redis(inventory)
+    if shared:
+        findings += store_findings([Store("redis", "lmcache-redis", redis=parse_redis_url(shared))], {}, None, seen)
+    return Report(findings)
+
+
+def diagnose(selector, timeout: float = TIMEOUT_S) -> Report:
+    """The report for what the selector flags name: a configuration alone, the fleet, or one instance."""
+    from kvctl.core import instances
+
+    if selector.config is not None and selector.instance is None:
+        return diagnose_config(selector.config)
+    if selector.fleet:
+        return diagnose_fleet(selector.state, selector.inventory, timeout)
+    address = instances.resolve(selector.instance, selector.state, selector.inventory)[0]
+    return diagnose_instance(address, selector.config, timeout)

@@ -1,0 +1,135 @@
+"""Pin sets against a real LMCache engine with kvctl's routes (CPU + disk tiers): `kvctl pin-set apply`
+pins, refreshes and releases only its own pins, and re-pins after the engine restarts (its pins lived in
+its memory); the hook `kvctl serve --pins` runs after every start is applied to the engine's state file."""
+
+import json
+
+import pytest
+
+from kvctl.cli.serve import _apply_pins
+from kvctl.core import pinsets
+from kvctl.output import Output
+from tests.helpers import free_port, http_json, run_kvctl, start_standalone_engine, stop_process, wait_until
+
+CHUNK = 256
+SET = "name: hot\npins:\n  - tokens_file: prompts/a.json\n    ttl: 10m\n  - tokens_file: prompts/b.json\n"
+EDITED = "name: hot\npins:\n  - tokens_file: prompts/a.json\n    ttl: 1h\n"
+
+
+class Engine:
+    """A standalone engine that can be stopped and started again on the same configuration."""
+
+    def __init__(self, root, port_start: int) -> None:
+        self.root, self.url, self.starts, self.proc = root, f"http://127.0.0.1:{port_start + 1}", 0, None
+
+    def start(self) -> None:
+        self.starts += 1
+        log = self.root / f"engine-{self.starts}.log"
+        self.proc = start_standalone_engine(self.root / "cfg", log)
+        wait_until(lambda: http_json("GET", f"{self.url}/lmc_version"), 120, "standalone engine", self.proc, log)
+
+    def stop(self) -> None:
+        stop_process(self.proc, grace=5)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pin-sets")
+    port_start = free_port()
+    assert run_kvctl("config", "init", "--out", root / "cfg", "--tier", "cpu:0.1", "--tier", f"disk:{root}/disk:1",
+                     "--internal-api-port-start", port_start).code == 0
+    running = Engine(root, port_start)
+    running.start()
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def kvctl(engine, *args):
+    result = run_kvctl(*args, "--instance", engine.url, "--format", "json")
+    assert result.code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def store(engine, name: str, start: int, chunks: int):
+    """A prompt of `chunks` chunks stored in the engine (on the CPU and disk tiers), as a tokens file."""
+    http_json("POST", f"{engine.url}/cache/store", params={"tokens_mock": f"{start},{start + chunks * CHUNK}"})
+    path = engine.root / "set" / "prompts" / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(list(range(start, start + chunks * CHUNK))))
+    wait_until(lambda: all(chunk["tiers"] == ["cpu", "disk"] for chunk in kvctl(engine, "lookup", "--tokens-file",
+                                                                                path)["chunks"]), 30, "stored chunks")
+    return path
+
+
+def steps(answer) -> dict[str, tuple]:
+    return {step.get("file", step["pin_id"]): (step["action"], step["cached_chunks"], step["chunks"])
+            for step in answer["steps"]}
+
+
+@pytest.mark.slow
+def test_a_pin_set_is_applied_edited_and_applied_again_after_a_restart(engine):
+    a, _b, c = store(engine, "a", 0, 2), store(engine, "b", 10_000, 1), store(engine, "c", 20_000, 1)
+    pin_set = engine.root / "set" / "pins.yaml"
+    pin_set.write_text(SET)
+    plain = kvctl(engine, "pin", "--tokens-file", c)
+
+    dry = kvctl(engine, "pin-set", "apply", pin_set, "--dry-run")
+    assert dry["dry_run"] and dry["counts"] == {"pin": 2, "refresh": 0, "release": 0, "unchanged": 0}
+    assert [pin["pin_id"] for pin in kvctl(engine, "pins")["pins"]] == [plain["pin_id"]]
+
+    applied = kvctl(engine, "pin-set", "apply", pin_set)
+    assert steps(applied) == {"prompts/a.json": ("pin", 2, 2), "prompts/b.json": ("pin", 1, 1)}
+    ids = {step["file"]: step["pin_id"] for step in applied["steps"]}
+    held = {pin["pin_id"]: pin for pin in kvctl(engine, "pins")["pins"]}
+    assert set(held) == {plain["pin_id"], *ids.values()} and "set" not in held[plain["pin_id"]]
+    assert {held[pin_id]["set"] for pin_id in ids.values()} == {"hot"}
+    assert held[ids["prompts/a.json"]]["pinned"] == {"cpu": 2, "disk": 2}
+    assert 590 < held[ids["prompts/a.json"]]["ttl_remaining_s"] <= 600
+    assert held[ids["prompts/b.json"]]["expires"] is None
+
+    again = kvctl(engine, "pin-set", "apply", pin_set, "--dry-run")
+    assert steps(again) == {"prompts/a.json": ("refresh", 2, 2), "prompts/b.json": ("unchanged", 1, 1)}
+
+    pin_set.write_text(EDITED)  # b dropped, a's ttl changed
+    dry = kvctl(engine, "pin-set", "apply", pin_set, "--dry-run")
+    assert steps(dry) == {"prompts/a.json": ("refresh", 2, 2), ids["prompts/b.json"]: ("release", 1, 1)}
+    unchanged = {pin["pin_id"]: pin["expires"] for pin in kvctl(engine, "pins")["pins"]}
+    assert unchanged == {pin_id: pin["expires"] for pin_id, pin in held.items()}  # the dry run changed nothing
+    done = kvctl(engine, "pin-set", "apply", pin_set)
+    assert done["counts"] == {"pin": 0, "refresh": 1, "release": 1, "unchanged": 0} and "errors" not in done
+    after = {pin["pin_id"]: pin for pin in kvctl(engine, "pins")["pins"]}
+    assert set(after) == {plain["pin_id"], ids["prompts/a.json"]}  # the plain pin is untouched
+    assert 3590 < after[ids["prompts/a.json"]]["ttl_remaining_s"] <= 3600
+
+    engine.stop()
+    engine.start()
+    assert kvctl(engine, "pins")["pins"] == []  # pins live in the engine's memory
+    store(engine, "a", 0, 2)
+    restarted = kvctl(engine, "pin-set", "apply", pin_set)
+    assert steps(restarted) == {"prompts/a.json": ("pin", 2, 2)}
+    assert [pin["pin_id"] for pin in kvctl(engine, "pins")["pins"]] == [ids["prompts/a.json"]]  # the same id
+    assert kvctl(engine, "lookup", "--tokens-file", a)["hit_tokens"]["total"] == 2 * CHUNK
+    kept = kvctl(engine, "evict", "--tokens-file", a, "--dry-run")
+    assert kept["removed"] == {"cpu": 0, "disk": 0} and kept["skipped_pinned"] == {"cpu": 2, "disk": 2}
+
+
+@pytest.mark.slow
+def test_the_serve_hook_applies_the_set_to_the_state_files_engine(engine, capsys):
+    path = store(engine, "d", 30_000, 1)
+    pin_set = engine.root / "hook" / "pins.yaml"
+    pin_set.parent.mkdir()
+    pin_set.write_text(f"name: boot\npins:\n  - tokens_file: {path}\n")
+    state = engine.root / "state.json"  # as kvctl serve writes it once every part is ready
+    state.write_text(json.dumps({"name": "boot", "mode": "inprocess", "model": "tiny",
+                                 "endpoints": {"internal_api": [engine.url]}}))
+    shown = _apply_pins(Output("json"), state, pin_set)
+    assert shown["counts"]["pin"] == 1 and "errors" not in shown
+    assert "pin set boot: 1 pin" in capsys.readouterr().err
+    assert [pin["set"] for pin in kvctl(engine, "pins")["pins"] if pin.get("set") == "boot"] == ["boot"]
+    assert pinsets.apply_after_start(state, pin_set).as_dict()["counts"]["unchanged"] == 1  # a second start
+    pin_set.write_text("name: boot\npins: [{tokens_file: missing.json}]\n")
+    failed = _apply_pins(Output("json"), state, pin_set)  # a warning: serve goes on
+    assert "matches no file" in failed["error"] and "warning: pin set" in capsys.readouterr().err
+    kvctl(engine, "unpin", "--all")
