@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import io
 import json
@@ -195,3 +196,22 @@ def edit_yaml(path: Path, **changes) -> None:
     values = yaml.safe_load(path.read_text())
     values.update(changes)
     path.write_text(yaml.safe_dump(values))
+
+
+@contextlib.contextmanager
+def standalone_engine(root: Path, *init_args, **yaml_changes) -> collections.abc.Iterator[str]:
+    """A standalone engine of a fresh `kvctl config init --out root/cfg *init_args` (its lmcache.yaml
+    changed by `yaml_changes`), ready; yields worker 0's internal API URL and stops the engine after."""
+    port_start = free_port()
+    init = run_kvctl("config", "init", "--out", root / "cfg", *init_args, "--internal-api-port-start", port_start)
+    assert init.code == 0, init.stderr
+    if yaml_changes:
+        edit_yaml(root / "cfg" / "lmcache.yaml", **yaml_changes)
+    log = root / "engine.log"
+    proc = start_standalone_engine(root / "cfg", log)
+    url = f"http://127.0.0.1:{port_start + 1}"
+    try:
+        wait_until(lambda: http_json("GET", f"{url}/lmc_version"), 120, "standalone engine", proc, log)
+        yield url
+    finally:
+        stop_process(proc, grace=5)

@@ -181,7 +181,9 @@ class MPInstance:
     def tokenize(self, prompt, model: str | None = None) -> list[int]:
         from kvctl.core.tokens import local_model_dir
 
-        name = self.model_name(model)
+        name = model or self.selector.model or self.address.model
+        if not name and not prompt.tokens_file:  # only the server knows which model it serves
+            name = self.model_name()
         return prompt.token_ids(model or local_model_dir(name), self.address.vllm, name)
 
     settle_s = 10.0  # the server writes L2 after answering: a report waits this long for every tier

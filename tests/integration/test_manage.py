@@ -11,12 +11,11 @@ from kvctl.clients.mp_server import MPServerClient
 from kvctl.core.config_init import mp_server_argv
 from kvctl.core.launch import MP_ROUTES_ARGV
 from tests.helpers import (
-    edit_yaml,
     free_port,
     http_json,
     run_kvctl,
+    standalone_engine,
     start_process,
-    start_standalone_engine,
     stop_process,
     wait_until,
 )
@@ -27,17 +26,8 @@ CHUNK = 256
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     root = tmp_path_factory.mktemp("manage")
-    port_start = free_port()
-    assert run_kvctl("config", "init", "--out", root / "cfg", "--tier", "cpu:0.1", "--tier", f"disk:{root}/disk:1",
-                     "--internal-api-port-start", port_start).code == 0
-    log = root / "engine.log"
-    proc = start_standalone_engine(root / "cfg", log)
-    url = f"http://127.0.0.1:{port_start + 1}"
-    try:
-        wait_until(lambda: http_json("GET", f"{url}/lmc_version"), 120, "standalone engine", proc, log)
+    with standalone_engine(root, "--tier", "cpu:0.1", "--tier", f"disk:{root}/disk:1") as url:
         yield {"url": url, "root": root}
-    finally:
-        stop_process(proc, grace=5)
 
 
 def kvctl(engine, *args):
@@ -199,18 +189,8 @@ def test_status_reads_over_a_fleet_name_each_member_and_the_missing_one(engine, 
 @pytest.fixture(scope="module")
 def stats_engine(tmp_path_factory):
     root = tmp_path_factory.mktemp("manage-stats")
-    port_start = free_port()
-    assert run_kvctl("config", "init", "--out", root / "cfg", "--tier", "cpu:0.05",
-                     "--internal-api-port-start", port_start).code == 0
-    edit_yaml(root / "cfg" / "lmcache.yaml", enable_chunk_statistics=True)
-    log = root / "engine.log"
-    proc = start_standalone_engine(root / "cfg", log)
-    url = f"http://127.0.0.1:{port_start + 1}"
-    try:
-        wait_until(lambda: http_json("GET", f"{url}/lmc_version"), 120, "standalone engine", proc, log)
+    with standalone_engine(root, "--tier", "cpu:0.05", enable_chunk_statistics=True) as url:
         yield {"url": url, "root": root}
-    finally:
-        stop_process(proc, grace=5)
 
 
 @pytest.mark.slow
