@@ -2,7 +2,7 @@
 
 Ratios of medians from one run. The framework floor is the `--help` of a minimal two-command
 Typer app in the same virtual environment. Goals (issue: foundation): kvctl --help <= 1.25x the
-floor; >= 10x faster than `lmcache --help`; static bash completion of `kvctl con<TAB>` < 20 ms;
+floor; >= 10x faster than `lmcache --help`; static bash completion of `kvctl confi<TAB>` < 20 ms;
 a dynamic completion call <= 1.25x the floor. The last line holds all four figures.
 """
 
@@ -51,10 +51,10 @@ def median_seconds(argv: list[str], runs: int, env: dict | None = None) -> float
 
 
 def bash_completion_ms(calls: int = 200) -> float:
-    """Median time of one `kvctl con<TAB>` in a bash that has sourced completions/kvctl.bash."""
+    """Median time of one `kvctl confi<TAB>` in a bash that has sourced completions/kvctl.bash."""
     script = f"""
 source {REPO / "completions" / "kvctl.bash"}
-COMP_WORDS=(kvctl con); COMP_CWORD=1
+COMP_WORDS=(kvctl confi); COMP_CWORD=1
 for ((n = 0; n < {calls}; n++)); do
     start=$EPOCHREALTIME; _kvctl_complete; end=$EPOCHREALTIME
     echo "$start $end"
@@ -84,7 +84,7 @@ def main() -> None:
     print(f"kvctl --help: {kvctl_help * 1000:.0f} ms = {kvctl_help / floor:.2f}x the floor (goal <= 1.25x)")
     print(f"lmcache --help: {lmcache_help * 1000:.0f} ms = {lmcache_help / kvctl_help:.1f}x slower than kvctl "
           "(goal >= 10x)")
-    print(f"bash static completion 'kvctl con<TAB>': {static_ms:.2f} ms (goal < 20 ms)")
+    print(f"bash static completion 'kvctl confi<TAB>': {static_ms:.2f} ms (goal < 20 ms)")
     print(f"dynamic completion call: {dynamic * 1000:.0f} ms = {dynamic / floor:.2f}x the floor (goal <= 1.25x)")
     print(f"help_vs_floor={kvctl_help / floor:.2f}x lmcache_vs_kvctl={lmcache_help / kvctl_help:.1f}x "
           f"static_completion_ms={static_ms:.2f} dynamic_completion_vs_floor={dynamic / floor:.2f}x")

@@ -157,6 +157,7 @@ class InProcessInstance:
     and for pins; Redis is read and written directly (see `evict`)."""
 
     kind = "inprocess"
+    pin_ids = True  # kvctl's pins carry ids: a pin set finds its own
 
     def __init__(self, address) -> None:
         self.address = address

@@ -248,6 +248,7 @@ class Instance(Protocol):
     vllm_url: str | None  # the vLLM that serves through this instance, where known
     settle_s: float  # how long a report after a write waits for it to land on every tier
     notes: list[str]  # what the last operation could not look at, and why
+    pin_ids: bool  # whether pin() takes a pin_id (and pins() reports it): what pin sets need
 
     def model_name(self, model: str | None = None) -> str:
         """The model whose keys a prompt makes here: `model`, or the one the instance serves."""

@@ -152,6 +152,7 @@ class MPInstance:
     stores from its configuration, pins through the LMCache coordinator (fleet-wide, L2 only)."""
 
     kind = "mp"
+    pin_ids = False  # the coordinator counts pins per key, with no ids
 
     def __init__(self, address, selector) -> None:
         if not address.mp_http:

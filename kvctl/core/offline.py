@@ -109,6 +109,7 @@ class OfflineInstance:
     """A configuration directory's stores, with no engine: lookup, list and evict; pins refused."""
 
     kind = "offline"
+    pin_ids = False  # no pins without an engine
     settle_s = 0.0  # nothing here writes asynchronously: what the stores hold is current
 
     def __init__(self, config_dir: str | os.PathLike, model: str | None = None, kv_dtype: str | None = None,

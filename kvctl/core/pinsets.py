@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import inspect
 import json
 import os
 from dataclasses import dataclass, field
@@ -234,7 +233,7 @@ class Application:
 
 def check_pin_ids(instance) -> None:
     """Refuse an instance whose pins have no ids (the MP coordinator counts pins per key)."""
-    if "pin_id" not in inspect.signature(instance.pin).parameters:
+    if not instance.pin_ids:
         raise Unsupported(f"{instance.name} ({instance.kind}) has no pin ids, and a pin set finds its pins by id",
                           hint="pin each prompt with kvctl pin; pin sets need an in-process instance")
 

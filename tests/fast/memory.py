@@ -109,6 +109,7 @@ class MemoryInstance:
     files."""
 
     kind = "memory"
+    pin_ids = False
     settle_s = 0.0
     vllm_url = None
 
@@ -221,6 +222,7 @@ class FailingInstance:
     """A member whose every operation fails with `error` (an instance that refuses, or that is down)."""
 
     kind = "memory"
+    pin_ids = False
     settle_s = 0.0
     vllm_url = None
 

@@ -20,6 +20,8 @@ SECOND = list(range(200, 212))  # 3 chunks, none stored
 class PinIdInstance(MemoryInstance):
     """A MemoryInstance whose pins take a given id and refuse a taken one, as the engine's do."""
 
+    pin_ids = True
+
     def pin(self, tokens, ttl_s, tiers, model=None, pin_id=None):
         if pin_id in self.held:
             raise RejectedError(f"pin {pin_id!r} exists already")
