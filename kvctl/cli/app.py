@@ -8,70 +8,106 @@ from typing import Annotated
 
 import typer
 
-from kvctl.cli import (
-    cache,
-    completion,
-    config,
-    doctor,
-    evict,
-    lookup,
-    manage,
-    manage_backends,
-    model,
-    observe,
-    pinsets,
-    prewarm,
-    serve,
-    version,
-)
+from kvctl.cli import completion
 from kvctl.cli.options import OutputFormat
 from kvctl.core.errors import EXIT_CODE_MEANINGS, ExitCode, KvctlError
 from kvctl.output import Output
 
 EPILOG = "Exit codes: " + ", ".join(f"{int(code)} {meaning}" for code, meaning in EXIT_CODE_MEANINGS.items()) + "."
 
-app = typer.Typer(
-    name="kvctl",
-    help="Operate the KV cache of vLLM + LMCache: configure, serve, prewarm, and see which chunks are cached where.",
-    epilog=EPILOG,
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    context_settings={"help_option_names": ["-h", "--help"]},
-    rich_markup_mode="rich",
-)
-app.add_typer(config.app, name="config")
-app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(serve.serve)
-app.command("prewarm")(prewarm.prewarm)
-app.command("lookup")(lookup.lookup)
-app.command("keys")(lookup.keys)
-app.command("ls")(cache.ls)
-app.command("pin")(cache.pin)
-app.command("unpin")(cache.unpin)
-app.command("pins")(cache.pins)
-app.add_typer(pinsets.app, name="pin-set")
-app.command("evict")(evict.evict)
-app.command("health")(observe.health)
-app.command("stats")(observe.stats)
-app.command("top")(observe.top)
-app.command("freeze")(manage.freeze)
-app.command("hot-cache")(manage.hot_cache)
-app.add_typer(manage_backends.app, name="backends")
-app.add_typer(manage.conf_app, name="conf")
-app.command("chunk-stats")(manage.chunk_stats)
-app.add_typer(manage_backends.quota_app, name="quota")
-app.command("doctor")(doctor.doctor)
-app.command("version")(version.version)
-app.add_typer(model.app, name="model")
-app.add_typer(completion.app, name="completion")
-app.command("complete-values", hidden=True)(completion.complete_values)
+# Every command, in the order `kvctl --help` lists them: (name, module, attribute, is a group, its summary).
+# A command's module is imported only when that command runs; the root help lists the summaries (a test
+# checks that they are the commands' own), so `kvctl --help` imports no command module.
+COMMANDS: list[tuple[str, str, str, bool, str]] = [
+    ("config", "config", "app", True, "Generate, validate and show LMCache + vLLM configuration."),
+    ("serve", "serve", "serve", False, "Launch vLLM with LMCache, wait until every part is ready, print the "
+     "endpoints, and supervise."),
+    ("prewarm", "prewarm", "prewarm", False, "Send prompts to vLLM as prefill-only requests (max_tokens 1), then "
+     "report what is cached, per prompt."),
+    ("lookup", "lookup", "lookup", False, "Which chunks of a prompt are cached, on which tier, how many tokens vLLM "
+     "would get, and why not."),
+    ("keys", "lookup", "keys", False, "Print the chunk keys LMCache makes for a prompt (per rank in tensor-parallel "
+     "deployments)."),
+    ("ls", "cache", "ls", False, "List cached chunks per tier: key, size, pin state, age where known; totals per "
+     "tier."),
+    ("pin", "cache", "pin", False, "Pin a prompt's chunks: eviction skips them until unpinned (or the TTL ends)."),
+    ("unpin", "cache", "unpin", False, "Release pins: one by id, every pin holding a prompt's chunks, or all (MP: "
+     "one pin of a prompt)."),
+    ("pins", "cache", "pins", False, "List the pins: kvctl's on an in-process instance; the coordinator's pinned "
+     "keys in MP mode."),
+    ("pin-set", "pinsets", "app", True, "Pin sets: prompts to keep pinned, declared in a YAML file and applied "
+     "(kvctl serve --pins re-applies one after every start)."),
+    ("evict", "evict", "evict", False, "Remove chunks from the CPU, disk and Redis tiers: a prompt's, given keys, or "
+     "a whole tier."),
+    ("health", "observe", "health", False, "Check every component (vLLM, internal API servers, offload socket, MP "
+     "server, Redis, disk) with latency."),
+    ("stats", "observe", "stats", False, "Hit rates, usage vs capacity per tier, evictions and pins, from the "
+     "servers' /metrics."),
+    ("top", "observe", "top", False, "A live view of health and stats that redraws in place (Ctrl-C to leave); "
+     "--once exits like health."),
+    ("freeze", "manage", "freeze", False, "Freeze an in-process engine: store no new chunks, keep serving what is "
+     "cached (from the CPU tier)."),
+    ("hot-cache", "manage", "hot_cache", False, "The CPU tier's hot cache of an in-process engine: on, off (which "
+     "also empties it) or status."),
+    ("backends", "manage_backends", "app", True, "An in-process engine's storage backends (tiers) at runtime, on "
+     "every worker."),
+    ("conf", "manage", "conf_app", True, "LMCache's settings on a running in-process engine (GET/POST /conf)."),
+    ("chunk-stats", "manage", "chunk_stats", False, "LMCache's chunk statistics (how often prompts' chunks recur), "
+     "kept by vLLM's scheduler process."),
+    ("quota", "manage_backends", "quota_app", True, "An MP server's soft per-cache_salt quotas (its L2 IsolatedLRU "
+     "eviction)."),
+    ("doctor", "doctor", "doctor", False, "Why would this deployment miss? What splits keys, overrides files, "
+     "wastes tiers or exposes routes."),
+    ("version", "version", "version", False, "Show the versions of kvctl, LMCache, vLLM, torch and Python, and "
+     "whether this is a CPU or GPU machine."),
+    ("model", "model", "app", True, "Models kvctl builds for offline use."),
+    ("completion", "completion", "app", True, "Shell completion scripts for bash, zsh and fish."),
+]
+SETTINGS = {"serve": {"context_settings": {"allow_extra_args": True, "ignore_unknown_options": True}}}
+
+
+def build_app(only: str | None = None, everything: bool = False) -> typer.Typer:
+    """The root app with every command real (`everything`), or only `only` real and the others as
+    summaries for the root help."""
+    import importlib
+
+    app = typer.Typer(
+        name="kvctl",
+        help="Operate the KV cache of vLLM + LMCache: configure, serve, prewarm, and see which chunks are cached "
+        "where.",
+        epilog=EPILOG,
+        no_args_is_help=True,
+        add_completion=False,
+        pretty_exceptions_enable=False,
+        context_settings={"help_option_names": ["-h", "--help"]},
+        rich_markup_mode="rich",
+    )
+    for name, module, attribute, group, summary in COMMANDS:
+        if everything or name == only:
+            target = getattr(importlib.import_module(f"kvctl.cli.{module}"), attribute)
+            if group:
+                app.add_typer(target, name=name)
+            else:
+                app.command(name, **SETTINGS.get(name, {}))(target)
+        elif group:
+            app.add_typer(typer.Typer(help=summary), name=name)
+        else:
+            app.command(name, help=summary)(_summary_only)
+    if everything or only == "complete-values":
+        app.command("complete-values", hidden=True)(completion.complete_values)
+    app.callback()(root)
+    return app
+
+
+def _summary_only() -> None:
+    """Stands in for a command in the root help; never runs (the command's own module does)."""
+
 
 # Options that belong to the root but that users type anywhere ("kvctl config validate x --format json").
 GLOBAL_FLAGS = ("--debug", "-q", "--quiet")
 GLOBAL_VALUED = ("--format",)
 
 
-@app.callback()
 def root(
     ctx: typer.Context,
     output_format: Annotated[
@@ -124,7 +160,7 @@ def run(argv: list[str]) -> int:
     debug = "--debug" in argv or os.environ.get("KVCTL_DEBUG", "") not in ("", "0")
     errors = Output(quiet=False)
     try:
-        command = typer.main.get_command(app)
+        command = typer.main.get_command(build_app(command_name(argv)))
         result = command.main(args=hoist_global_options(argv), prog_name="kvctl", standalone_mode=False)
         return int(result) if isinstance(result, int) else ExitCode.OK
     except KvctlError as error:
@@ -155,3 +191,27 @@ def _is_click_exception(error: Exception) -> bool:
     return hasattr(error, "format_message") and isinstance(getattr(error, "exit_code", None), int)
 
 
+
+
+def command_name(argv: list[str]) -> str | None:
+    """The command argv names (its first word after the root's own options), if any."""
+    words = iter(hoist_global_options(argv))
+    for word in words:
+        if word in GLOBAL_VALUED:
+            next(words, None)
+        elif not word.startswith("-"):
+            return word
+    return None
+
+
+_full_app: typer.Typer | None = None
+
+
+def __getattr__(name: str):
+    """`app`: every command real, for the completion scripts and the tests that walk the whole tree."""
+    global _full_app
+    if name != "app":
+        raise AttributeError(name)
+    if _full_app is None:
+        _full_app = build_app(everything=True)
+    return _full_app

@@ -33,10 +33,12 @@ class FindingsTable(Table):
 def doctor(ctx: typer.Context, instance: FleetInstance = None, state: StateOption = None,
            inventory: InventoryOption = None, config: ConfigOption = None,
            timeout: TimeoutOption = 10.0) -> None:
-    """Why would this deployment miss? Key compatibility across members and against the files (chunk size,
-    hash algorithm, PYTHONHASHSEED, model, KV dtype, world size, versions), LMCACHE_* overrides, unusable
-    disk files and budgets, Redis eviction and headroom, exposed management routes and secrets, and
-    lookups that hit while retrieves do not.
+    """Why would this deployment miss? What splits keys, overrides files, wastes tiers or exposes routes.
+
+    Key compatibility across members and against the files (chunk size, hash algorithm, PYTHONHASHSEED,
+    model, KV dtype, world size, versions), LMCACHE_* overrides, unusable disk files and budgets, Redis
+    eviction and headroom, exposed management routes and secrets, and lookups that hit while retrieves
+    do not.
 
     --config DIR alone checks a configuration with no engine; --instance all checks the inventory's fleet.
     Exit 1 on any error-level finding.

@@ -47,8 +47,10 @@ def health_frame(instance, state, inventory, timeout) -> tuple[dict[str, Any], l
 
 def stats(ctx: typer.Context, instance: FleetInstance = None, state: StateOption = None,
           inventory: InventoryOption = None, timeout: TimeoutOption = 10.0) -> None:
-    """Hit rates (lookup vs retrieve, vLLM's prefix cache and LMCache's share), usage vs capacity per tier,
-    evictions and pins, from the servers' /metrics."""
+    """Hit rates, usage vs capacity per tier, evictions and pins, from the servers' /metrics.
+
+    Hit rates: LMCache's lookup vs retrieve hits, vLLM's prefix cache, and LMCache's share of the hits.
+    """
     payload, items, code = stats_frame(instance, state, inventory, timeout)
     ctx.obj.emit(payload, items)
     report_errors(ctx.obj, payload["instances"])

@@ -99,3 +99,32 @@ def test_python_dash_m_kvctl_works():
     done = subprocess.run([sys.executable, "-m", "kvctl", "version"], capture_output=True, text=True,
                           env={**os.environ, "COLUMNS": "120"})
     assert done.returncode == 0 and json.loads(done.stdout)["kvctl"] == "0.1.0"
+
+
+def _root_help(app) -> str:
+    import io
+    from contextlib import redirect_stdout
+
+    import typer
+
+    shown = io.StringIO()
+    with redirect_stdout(shown):
+        typer.main.get_command(app).main(args=["--help"], prog_name="kvctl", standalone_mode=False)
+    return shown.getvalue()
+
+
+def test_the_root_help_without_command_modules_is_the_full_one():
+    """`kvctl --help` lists the commands from a table (no command module imported); it must say what
+    the commands themselves say, in the same order."""
+    from kvctl.cli import app
+
+    assert _root_help(app.build_app()) == _root_help(app.build_app(everything=True))
+
+
+def test_root_help_imports_no_command_module():
+    shown = subprocess.run([sys.executable, "-c", "import sys; from kvctl.cli.app import run; run(['--help']); "
+                            "print(sorted(m for m in sys.modules if m.startswith('kvctl.cli.') and m not in "
+                            "('kvctl.cli.app', 'kvctl.cli.completion', 'kvctl.cli.options')))"],
+                           capture_output=True, text=True, cwd=REPO, env={**os.environ, "COLUMNS": "100"})
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.strip().splitlines()[-1] == "[]"
