@@ -168,10 +168,15 @@ def _fan(targets: list[tuple[str, int | None, str]], call: Callable[[Any], dict[
 def _inprocess(instance, what: str):
     from kvctl.core.inprocess import InProcessInstance
 
-    if not isinstance(instance, InProcessInstance):
-        kind = KINDS.get(getattr(instance, "kind", ""), "this instance")
-        raise Unsupported(f"{what} is an in-process LMCache feature; {kind} has none",
-                          hint="address an in-process engine (its worker 0 internal API) with --instance")
+    return _require(instance, InProcessInstance, f"{what} is an in-process LMCache feature",
+                    "address an in-process engine (its worker 0 internal API) with --instance")
+
+
+def _require(instance, kind: type, feature: str, hint: str):
+    """The instance, if it is of `kind`; else Unsupported naming what it is instead."""
+    if not isinstance(instance, kind):
+        raise Unsupported(f"{feature}; {KINDS.get(getattr(instance, 'kind', ''), 'this instance')} has none",
+                          hint=hint)
     return instance
 
 
@@ -443,11 +448,8 @@ DEFAULT_SALT = "_default"  # the empty cache salt, as LMCache's HTTP API spells 
 def _mp(instance, what: str):
     from kvctl.core.mp_cache import MPInstance
 
-    if not isinstance(instance, MPInstance):
-        kind = KINDS.get(getattr(instance, "kind", ""), "this instance")
-        raise Unsupported(f"{what} are an MP server feature (lmcache server); {kind} has none",
-                          hint="address an lmcache server (its HTTP URL) with --instance")
-    return instance
+    return _require(instance, MPInstance, f"{what} are an MP server feature (lmcache server)",
+                    "address an lmcache server (its HTTP URL) with --instance")
 
 
 @dataclass
