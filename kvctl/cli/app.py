@@ -30,13 +30,13 @@ COMMANDS: list[tuple[str, str, str, bool, str]] = [
      "deployments)."),
     ("ls", "cache", "ls", False, "List cached chunks per tier: key, size, pin state, age where known; totals per "
      "tier."),
-    ("pin", "cache", "pin", False, "Pin a prompt's chunks: eviction skips them until unpinned (or the TTL ends)."),
+    ("pin", "cache", "pin_app", True, "Pin a prompt's chunks: eviction skips them until unpinned (or the TTL ends)."),
     ("unpin", "cache", "unpin", False, "Release pins: one by id, every pin holding a prompt's chunks, or all (MP: "
      "one pin of a prompt)."),
     ("pins", "cache", "pins", False, "List the pins: kvctl's on an in-process instance; the coordinator's pinned "
      "keys in MP mode."),
-    ("pin-set", "pinsets", "app", True, "Pin sets: prompts to keep pinned, declared in a YAML file and applied "
-     "(kvctl serve --pins re-applies one after every start)."),
+    ("snapshot", "snapshot", "app", True, "Snapshots: save cached chunks to one file, load them into another "
+     "instance or configuration."),
     ("evict", "evict", "evict", False, "Remove chunks from the CPU, disk and Redis tiers: a prompt's, given keys, or "
      "a whole tier."),
     ("health", "observe", "health", False, "Check every component (vLLM, internal API servers, offload socket, MP "

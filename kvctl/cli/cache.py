@@ -1,6 +1,6 @@
-"""`kvctl ls`, `pin`, `unpin`, `pins`: what an instance holds and what it keeps. Each command opens
-the instance (kvctl.core.instance) and asks it one thing; how an in-process engine, an MP server or
-a configuration with no engine answers is theirs to know.
+"""`kvctl ls`, `pin` (a group too: `pin apply`, kvctl.cli.pinsets), `unpin`, `pins`: what an instance
+holds and what it keeps. Each command opens the instance (kvctl.core.instance) and asks it one thing;
+how an in-process engine, an MP server or a configuration with no engine answers is theirs to know.
 
 MP pins without a known coordinator are refused with exit 2 (usage): kvctl has no pin of its own
 there, and pretending to pin would be worse than saying so."""
@@ -11,6 +11,7 @@ from typing import Annotated
 
 import typer
 
+from kvctl.cli import pinsets
 from kvctl.cli.fleet import emit_fleet, on_instances, open_one, run_fleet, selector
 from kvctl.cli.options import (
     ChatFile,
@@ -31,7 +32,7 @@ from kvctl.core.durations import parse_duration
 from kvctl.core.errors import ExitCode, UsageError
 from kvctl.output import Table
 
-__all__ = ["ls", "pin", "pins", "unpin", "parse_duration"]
+__all__ = ["ls", "pin", "pin_app", "pins", "unpin", "parse_duration"]
 
 
 def ls(
@@ -97,8 +98,15 @@ def pin(
 
     In-process: on the CPU and disk tiers, by kvctl. MP: in L2, fleet-wide, by the LMCache coordinator
     (so with --instance all, only in-process instances pin: MP ones say to pin once by name).
-    `kvctl pin-set apply FILE` pins a whole set of prompts declared in a file.
+    `kvctl pin apply FILE` pins a whole set of prompts declared in a file.
     """
+    if ctx.invoked_subcommand:  # `kvctl pin apply …`: this runs first; its options go after the subcommand
+        given = [p.opts[0] for p in ctx.command.params if ctx.get_parameter_source(p.name).name == "COMMANDLINE"]
+        if given:
+            raise UsageError(f"'kvctl pin {ctx.invoked_subcommand}' takes its options after "
+                             f"'{ctx.invoked_subcommand}' (got {', '.join(given)} before it)",
+                             hint=f"see 'kvctl pin {ctx.invoked_subcommand} --help'")
+        return
     from kvctl.core.tokens import PromptSource
 
     ttl_s = parse_duration(ttl) if ttl else None
@@ -109,6 +117,12 @@ def pin(
 
     on_instances(ctx.obj, selector(instance, state, inventory, vllm_url=vllm_url, coordinator=coordinator), pin_one,
                  _pin_tables, timeout)
+
+
+# `kvctl pin` pins a prompt and, with a subcommand, `kvctl pin apply FILE` pins a set (kvctl.cli.pinsets).
+pin_app = typer.Typer(invoke_without_command=True, subcommand_metavar="[apply FILE [OPTIONS]]")
+pin_app.callback()(pin)
+pin_app.command("apply")(pinsets.apply)
 
 
 def _pin_tables(result, title: str | None = None) -> list:

@@ -1,4 +1,5 @@
-"""`kvctl pin-set apply FILE`: make an instance's pins what a pin set file declares (kvctl.core.pinsets)."""
+"""`kvctl pin apply FILE`: make an instance's pins what a pin set file declares (kvctl.core.pinsets).
+A subcommand of the `pin` group (kvctl.cli.cache.pin_app), whose own callback pins one prompt."""
 
 from __future__ import annotations
 
@@ -12,11 +13,7 @@ from kvctl.cli.options import FleetInstance, InventoryOption, ModelOption, State
 from kvctl.core.errors import ExitCode
 from kvctl.output import Table
 
-app = typer.Typer(help="Pin sets: prompts to keep pinned, declared in a YAML file and applied (kvctl serve --pins "
-                  "re-applies one after every start).", no_args_is_help=True)
 
-
-@app.command()
 def apply(
     ctx: typer.Context,
     file: Annotated[Path, typer.Argument(help="The pin set: YAML with name: and pins: (prompt_file, chat or "

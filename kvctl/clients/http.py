@@ -36,33 +36,34 @@ class HTTPClient:
 
     def request(self, method: str, path: str, body: Any = None, params: dict | None = None) -> Any:
         """The parsed body (JSON when it parses, else text), or kvctl's error for the failure."""
+        return _payload(self.send(method, path, json=body, params=params))
+
+    def send(self, method: str, path: str, **options: Any):
+        """The httpx response (`options` as httpx takes them: json, content, headers, params, timeout), or
+        kvctl's error for the failure: for answers that are not JSON (chunk bytes)."""
         import httpx
 
         try:
-            response = self._client.request(method, path, json=body, params=params)
+            response = self._client.request(method, path, **options)
         except httpx.TimeoutException:
             raise UnreachableError(f"{self.url} did not answer {method} {path} in time",
                                    hint="the server may be busy; retry, or " + self.log_hint) from None
         except httpx.TransportError as error:
             raise UnreachableError(f"cannot reach {self.server} at {self.url}: {error}",
                                    hint=self.unreachable_hint) from None
-        text = response.text
-        try:
-            payload = json.loads(text) if text else None
-        except ValueError:
-            payload = text
+        if response.status_code < 400:
+            return response
+        payload = _payload(response)
         if response.status_code == 404 and path.startswith(PREFIX) and _is_route_missing(payload):
             raise RejectedError(f"{self.url} has no kvctl routes (HTTP 404 for {path})", hint=self.no_routes_hint)
         if response.status_code == 401 and path.startswith(PREFIX):
             raise RejectedError(f"{self.url} wants a bearer token for kvctl's routes: {_message(payload)}",
                                 hint=f"set {TOKEN_VARIABLE} (source the configuration's env.sh) and retry")
-        if 400 <= response.status_code < 500:
+        if response.status_code < 500:
             raise RejectedError(f"{self.url} rejected {method} {path}: {_message(payload)}",
                                 hint="check the request; the server's message says what it wants")
-        if response.status_code >= 500:
-            raise ServerError(f"{self.url} failed {method} {path} (HTTP {response.status_code}): {_message(payload)}",
-                              hint=self.log_hint)
-        return payload
+        raise ServerError(f"{self.url} failed {method} {path} (HTTP {response.status_code}): {_message(payload)}",
+                          hint=self.log_hint)
 
     def close(self) -> None:
         self._client.close()
@@ -72,6 +73,14 @@ class HTTPClient:
 
     def __exit__(self, *_exc) -> None:
         self.close()
+
+
+def _payload(response) -> Any:
+    text = response.text
+    try:
+        return json.loads(text) if text else None
+    except ValueError:
+        return text
 
 
 def _message(payload: Any) -> str:

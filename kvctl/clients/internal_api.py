@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvctl_plugins.wire import PREFIX
+from kvctl_plugins.wire import NEXT_HEADER, PREFIX
 
 from kvctl.clients.http import HTTPClient
 
 TIMEOUT_S = 10.0
+CHUNKS_TIMEOUT_S = 300.0  # one chunk-bytes request carries up to wire.MAX_CHUNKS_BODY (256 MiB), from disk or Redis
+FRAMES_TYPE = "application/octet-stream"
 
 
 class InternalAPIClient(HTTPClient):
@@ -121,3 +123,18 @@ class InternalAPIClient(HTTPClient):
     def prefetch(self, tokens: list[int]) -> dict[str, Any]:
         return self.request("POST", f"{PREFIX}/prefetch", {"tokens": tokens})
 
+    def read_chunks(self, keys: list[str], tiers: list[str] | None = None) -> tuple[bytes, list[str]]:
+        """(a body of frames for those of `keys` this worker holds, each from the first tier that holds
+        it; the keys still to ask for, when the answer stopped at its size cap: empty when done)."""
+        body: dict[str, Any] = {"keys": keys} if tiers is None else {"keys": keys, "tiers": tiers}
+        response = self.send("POST", f"{PREFIX}/chunks/read", json=body, timeout=CHUNKS_TIMEOUT_S)
+        next_index = response.headers.get(NEXT_HEADER)
+        return response.content, [] if next_index is None else keys[int(next_index):]
+
+    def write_chunks(self, body: bytes, tiers: list[str] | None = None) -> dict[str, Any]:
+        """Store a body of frames on `tiers` (None: the engine's first, the CPU tier): {"written",
+        "already", "dropped"}, each {tier: chunks}. Any frame the engine cannot take: RejectedError,
+        and nothing is written."""
+        response = self.send("POST", f"{PREFIX}/chunks/write", content=body, headers={"Content-Type": FRAMES_TYPE},
+                             params={"tiers": ",".join(tiers)} if tiers else None, timeout=CHUNKS_TIMEOUT_S)
+        return response.json()

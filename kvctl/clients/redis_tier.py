@@ -20,13 +20,15 @@ from __future__ import annotations
 import os
 import socket
 import ssl
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 from kvctl.core.errors import KvctlError, RejectedError, ServerError, UnreachableError
 from kvctl.core.tiers import RedisURL
 
 BATCH = 4096
+VALUE_BATCH = 64  # chunk values per pipelined GET: a few MiB each at most
+PIPELINE_BYTES = 64 * 1024 * 1024  # bytes of values queued per pipelined SET
 SERVICE_NAME_ENV = "REDIS_SERVICE_NAME"  # LMCache's sentinel connector reads the master's name from it
 DEFAULT_SERVICE_NAME = "redismaster"  # … and falls back to this
 SCAN_COUNT = 10_000  # keys the server looks at per SCAN call: fewer round trips, each still short
@@ -246,6 +248,30 @@ class RedisTier:
             return f"{host}:{port}"
         host, port = self.url.hosts[0]
         return f"{host}:{port}"
+
+    def get_values(self, names: Sequence[str]) -> Iterator[bytes | None]:
+        """GET each name (None when missing), VALUE_BATCH per pipeline: values are whole chunks."""
+        with self._session() as client:
+            for offset in range(0, len(names), VALUE_BATCH):
+                pipe = client.pipeline(transaction=False)
+                for name in names[offset:offset + VALUE_BATCH]:
+                    pipe.get(name)
+                yield from pipe.execute()
+
+    def set_values(self, items: Iterable[tuple[str, bytes | memoryview]]) -> int:
+        """SET each (name, value) in order, pipelined until PIPELINE_BYTES are queued; how many were set."""
+        count = 0
+        with self._session() as client:
+            pipe, queued = client.pipeline(transaction=False), 0
+            for name, value in items:
+                pipe.set(name, value)
+                queued += memoryview(value).nbytes
+                count += 1
+                if queued >= PIPELINE_BYTES:
+                    pipe.execute()
+                    pipe, queued = client.pipeline(transaction=False), 0
+            pipe.execute()
+        return count
 
     def value_sizes(self, names: Sequence[str]) -> list[int]:
         """STRLEN of each name (0 when missing), pipelined: sizes without reading a value."""

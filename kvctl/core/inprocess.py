@@ -8,13 +8,15 @@ worker 0's port + r. A chunk counts once per rank it was taken from, as its keys
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
 from kvctl.core.keys import given_chunk_keys, parse_key
 
 ROUTE_BATCH = 10_000  # keys per evict request: well inside the routes' body cap
+READ_BATCH = 64  # keys per chunks/read request (an answer that would pass the routes' byte cap stops early)
+WRITE_BATCH_BYTES = 64 * 1024 * 1024  # chunk bytes per chunks/write request (a larger chunk goes alone)
 
 
 @contextmanager
@@ -147,9 +149,79 @@ def _of_rank(keys: list[str], rank: int) -> list[str]:
     return [key for key in keys if parse_key(key).worker_id == rank]
 
 
-def _batches(keys: list[str]) -> Iterator[list[str]]:
-    for start in range(0, len(keys), ROUTE_BATCH):
-        yield keys[start:start + ROUTE_BATCH]
+def _batches(keys: list[str], size: int = ROUTE_BATCH) -> Iterator[list[str]]:
+    for start in range(0, len(keys), size):
+        yield keys[start:start + size]
+
+
+def read_chunks(worker0: str, keys: Iterable[str]) -> Iterator:
+    """StoredChunks of those of `keys` the engine holds, each asked of the worker of its rank (a key of a
+    rank beyond the world size is held by none), READ_BATCH keys a request; a worker's answer that
+    stopped at the routes' byte cap is asked again for the rest."""
+    from kvctl.core.instance import StoredChunk
+
+    keys = given_chunk_keys(list(keys))
+    with open_workers(worker0) as (workers, _info):
+        for rank, worker in enumerate(workers):
+            for batch in _batches(_of_rank(keys, rank), READ_BATCH):
+                while batch:
+                    body, batch = worker.read_chunks(batch)
+                    for key, data, metadata in _frames(body, worker.url):
+                        yield StoredChunk(key, data, metadata)
+
+
+def _frames(body: bytes, url: str) -> list:
+    from kvctl_plugins.wire import read_frames
+
+    from kvctl.core.errors import ServerError
+
+    try:
+        return list(read_frames(body))
+    except ValueError as error:
+        raise ServerError(f"{url} answered chunk bytes that are not frames: {error}",
+                          hint="check that kvctl and the engine's kvctl plugins are the same version") from None
+
+
+def write_chunks(worker0: str, chunks: Iterable, tier: str | None) -> dict[str, dict[str, int]]:
+    """Store StoredChunks on `tier` (None: the engine's first, the CPU tier), each through the worker of
+    its key's rank, at most WRITE_BATCH_BYTES of chunk bytes a request; the routes' counts summed over
+    requests: {"written", "already", "dropped"}, each {tier: chunks}. A request the engine refuses
+    raises, and writes nothing of its own; the requests before it stay written."""
+    from kvctl_plugins.wire import frame_header
+
+    totals: dict[str, dict[str, int]] = {"written": {}, "already": {}, "dropped": {}}
+    with open_workers(worker0) as (workers, _info):
+        pending: dict[int, tuple[list, int]] = {}  # rank -> (frame parts, chunk bytes)
+
+        def send(rank: int) -> None:
+            parts, _size = pending.pop(rank)
+            answer = workers[rank].write_chunks(b"".join(parts), [tier] if tier else None)
+            for field, counts in totals.items():
+                for name, count in answer.get(field, {}).items():
+                    counts[name] = counts.get(name, 0) + count
+
+        for chunk in chunks:
+            rank = _rank_of(chunk.key, len(workers))
+            if rank in pending and pending[rank][1] + len(chunk.data) > WRITE_BATCH_BYTES:
+                send(rank)
+            parts, size = pending.get(rank, ([], 0))
+            parts += [frame_header(chunk.key, len(chunk.data), chunk.metadata), chunk.data]
+            pending[rank] = (parts, size + len(chunk.data))
+        for rank in list(pending):
+            send(rank)
+    return totals
+
+
+def _rank_of(key: str, world_size: int) -> int:
+    from kvctl.core.errors import UsageError
+
+    parsed = parse_key(key)
+    if parsed is None:
+        raise UsageError(f"not an LMCache chunk key: {key!r}")
+    if parsed.worker_id >= world_size:
+        raise UsageError(f"{key!r} is a chunk of worker {parsed.worker_id}; this instance has {world_size} worker(s)",
+                         hint="load a snapshot into an instance of the same tensor-parallel size")
+    return parsed.worker_id
 
 
 class InProcessInstance:
@@ -240,6 +312,20 @@ class InProcessInstance:
 
         with InternalAPIClient(self.worker0) as worker:
             return worker.prefetch(tokens)
+
+    def key_facts(self, model: str | None = None):
+        """What makes the engine's keys, as doctor reads them from worker 0 (its own model: `model` is it)."""
+        from kvctl.core.doctor import read_running
+
+        return read_running(self.address).facts
+
+    def read_chunks(self, keys) -> Iterator:
+        return read_chunks(self.worker0, keys)
+
+    def write_chunks(self, chunks, tier: str | None = None) -> dict[str, dict[str, int]]:
+        """{"written", "already", "dropped"}, each {tier: chunks}: "dropped" what a tier did not take
+        (no room on a full disk tier, a failed remote put)."""
+        return write_chunks(self.worker0, chunks, tier)
 
 
 def _typed_pin(entry: dict[str, Any]):

@@ -18,7 +18,7 @@ run the user sees and confirms; `EvictionPlan.execute()` removes exactly the pla
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -199,6 +199,16 @@ class Unpinned:
         return {"unpinned": [pin.as_dict() for pin in self.unpinned]}
 
 
+@dataclass(frozen=True)
+class StoredChunk:
+    """One chunk as a tier keeps it (snapshots): LMCache's data bytes under its key, and LMCache's
+    RemoteMetadata header (shape, dtype, format) where the tier keeps one (Redis does, a disk file not)."""
+
+    key: str
+    data: bytes | memoryview
+    metadata: bytes | None = None
+
+
 class ChunkStore(Protocol):
     """One tier's store read and written directly (a disk directory, Redis, an MP L2 store): only
     canonical chunk keys count, so stray files and foreign Redis keys are never listed or removed."""
@@ -273,6 +283,17 @@ class Instance(Protocol):
     def pins(self, model: str | None = None) -> PinList: ...
 
     def prefetch(self, tokens: list[int]) -> dict[str, Any]: ...
+
+    def key_facts(self, model: str | None = None) -> Any:
+        """A doctor KeyFacts: what makes this instance's chunk keys (chunk size, hashing, seed, model,
+        KV dtype, world size) and its LMCache version, None where not known."""
+
+    def read_chunks(self, keys: Sequence[str]) -> Iterator[StoredChunk]:
+        """Those of `keys` some tier holds, each from the first tier in lookup order that holds it."""
+
+    def write_chunks(self, chunks: Iterable[StoredChunk], tier: str | None = None) -> dict[str, dict[str, int]]:
+        """Store the chunks on `tier` (None: the instance's first); {"written": {tier: n}, "already":
+        {tier: n}} (chunks the tier held before, left as they were)."""
 
 
 @dataclass(frozen=True)

@@ -200,6 +200,13 @@ def parse_key(text: str) -> ParsedKey | None:
     return ParsedKey("@".join(parts[:-4]), int(world_size), int(worker_id), chunk_hash, dtype, tuple(tags))
 
 
+def key_of_rank(key: str, rank: int) -> str:
+    """The same chunk's key on another tensor-parallel rank (only the worker id differs)."""
+    parsed = parse_key(key)
+    return "@".join([parsed.model_name, str(parsed.world_size), str(rank), parsed.chunk_hash, parsed.kv_dtype,
+                     *parsed.tags])
+
+
 # -- MP mode -----------------------------------------------------------------------------------
 
 

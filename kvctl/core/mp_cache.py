@@ -276,3 +276,18 @@ class MPInstance:
 
         raise Unsupported("--from-tier needs an in-process instance with kvctl's routes",
                           hint="MP mode prefetches on its own when vLLM looks a prompt up; use plain prewarm there")
+
+    def key_facts(self, model: str | None = None):
+        return self._no_snapshots()
+
+    def read_chunks(self, keys):
+        return self._no_snapshots()
+
+    def write_chunks(self, chunks, tier: str | None = None):
+        return self._no_snapshots()
+
+    def _no_snapshots(self):
+        from kvctl.core.instance import Unsupported
+
+        raise Unsupported("snapshots of an MP server are not supported yet (its L1 has no route that hands out "
+                          "chunk bytes)", hint="save from and load into an in-process instance")

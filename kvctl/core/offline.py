@@ -9,14 +9,16 @@ engine's memory and pins in an engine or a coordinator: those need --instance.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+import stat
+from collections.abc import Iterable, Iterator, Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from kvctl.core.errors import KvctlError, UsageError
-from kvctl.core.instance import EvictionPlan, Selection, Unsupported, plan_store_eviction
+from kvctl.core.instance import EvictionPlan, Selection, StoredChunk, Unsupported, plan_store_eviction
 from kvctl.core.keys import (
     disk_file_name,
     given_chunk_keys,
@@ -25,9 +27,18 @@ from kvctl.core.keys import (
     parse_object_key,
     prompt_chunk_keys,
 )
-from kvctl.core.listing import Listing, disk_chunks, list_stores, redis_tier_keys, stored_redis_keys, unlink_chunks
+from kvctl.core.listing import (
+    Listing,
+    disk_chunks,
+    list_stores,
+    redis_chunk_names,
+    redis_tier_keys,
+    stored_redis_keys,
+    unlink_chunks,
+)
 from kvctl.core.target import DISK_SUFFIXES, Deployment, Store, Target, read_deployment, target_from_config
 
+READ_BATCH = 64  # chunks read (and held in memory) at a time when saving a snapshot
 PROBE_TIMEOUT_S = 1.0  # a running engine answers on loopback at once; a stopped one refuses at once
 CPU_HINT = "the CPU tier lives in a running engine: use --instance"
 NEEDS_ENGINE_HINT = "pins and prefetch need a running engine: pass --instance (a kvctl serve name or its URL)"
@@ -83,6 +94,33 @@ class DirectoryStore:
         return gone
 
 
+    # -- chunk bytes (snapshots; LMCache's disk layout: a file is the chunk's data alone) ------------
+
+    def read(self, keys: Sequence[str]) -> Iterator[StoredChunk]:
+        """The held chunks' bytes; a name that is not a regular file (a FIFO, a directory) is skipped."""
+        for key in keys:
+            for directory in self.store.directories:
+                data = _read_regular(os.path.join(directory, self.file_name(key)))
+                if data is not None:
+                    yield StoredChunk(key, data)
+                    break
+
+    def write(self, chunks: list[StoredChunk]) -> tuple[int, int]:
+        """(written, already there): each chunk to a temporary file renamed to its name once whole, so
+        LMCache never indexes half a chunk; a chunk some directory already holds is left as it is."""
+        directory = self.store.directories[0]
+        os.makedirs(directory, exist_ok=True)
+        held = set(self.held([chunk.key for chunk in chunks]))
+        written = 0
+        for chunk in chunks:
+            if chunk.key in held:
+                continue
+            name = self.file_name(chunk.key)
+            _write_whole(os.path.join(directory, name), os.path.join(directory, f".{name}.kvctl-partial"), chunk.data)
+            written += 1
+        return written, len(held)
+
+
 class RedisStore:
     """The in-process Redis tier (two names per chunk, removed together) or the MP resp L2 adapter
     (one name per chunk), found by SCAN and checked by EXISTS; removed with UNLINK, counted by what
@@ -99,6 +137,47 @@ class RedisStore:
 
     def remove(self, keys: Sequence[str]) -> list[str]:
         return unlink_chunks(self.store, list(keys))
+
+    # -- chunk bytes (snapshots; LMCache's layout: `<key>kv_bytes` then `<key>metadata`) -------------
+
+    def read(self, keys: Sequence[str]) -> Iterator[StoredChunk]:
+        from kvctl.clients.redis_tier import RedisTier
+
+        keys = list(keys)
+        with RedisTier(self.store.redis) as redis:
+            values = redis.get_values([name for key in keys for name in redis_chunk_names(key, self.store.layout)])
+            for key in keys:
+                data, metadata = next(values), next(values)
+                if data is not None and metadata is not None:
+                    yield StoredChunk(key, data, metadata)
+
+    def with_metadata(self, chunks: list[StoredChunk]) -> list[StoredChunk]:
+        """The chunks, each with the metadata header Redis holds for it (where it does)."""
+        from kvctl.clients.redis_tier import RedisTier
+
+        names = [redis_chunk_names(chunk.key, self.store.layout)[-1] for chunk in chunks]
+        with RedisTier(self.store.redis) as redis:
+            headers = list(redis.get_values(names))
+        return [StoredChunk(chunk.key, chunk.data, header) if header else chunk
+                for chunk, header in zip(chunks, headers)]
+
+    def write(self, chunks: list[StoredChunk]) -> tuple[int, int]:
+        """(written, already there): the data name first and the metadata name last, as LMCache writes them,
+        so a reader that sees the metadata finds the data."""
+        from kvctl.clients.redis_tier import RedisTier
+
+        held = set(self.held([chunk.key for chunk in chunks]))
+        going = [chunk for chunk in chunks if chunk.key not in held]
+        bare = next((chunk.key for chunk in going if not chunk.metadata), None)
+        if bare is not None:
+            raise UsageError(f"chunk {bare} has no LMCache metadata header (it was saved from a disk tier), which "
+                             "the Redis tier needs", hint="load it into a disk tier, or through a running engine "
+                             "(--instance), which makes the header")
+        with RedisTier(self.store.redis) as redis:
+            redis.set_values((name, value) for chunk in going
+                             for name, value in zip(redis_chunk_names(chunk.key, self.store.layout),
+                                                    (chunk.data, chunk.metadata)))
+        return len(going), len(held)
 
 
 def chunk_store(store: Store) -> DirectoryStore | RedisStore:
@@ -266,6 +345,58 @@ class OfflineInstance:
             return None
         return url
 
+    # -- snapshots ----------------------------------------------------------------------------------
+
+    def key_facts(self, model: str | None = None):
+        from kvctl.core.doctor import UNSET, KeyFacts
+        from kvctl.core.versions import installed
+
+        self._snapshot_stores()
+        recipe = self._target(model).recipe
+        seed = UNSET if recipe.hash_seed is None else recipe.hash_seed
+        return KeyFacts(recipe.chunk_size, recipe.hash_algorithm, seed, recipe.model_name, recipe.kv_dtype,
+                        recipe.world_size, installed("lmcache"))
+
+    def read_chunks(self, keys: Sequence[str]) -> Iterator[StoredChunk]:
+        """From the disk directory first, then Redis (LMCache's lookup order). A chunk read from disk
+        takes its metadata header from Redis where Redis holds it too, so it can be loaded into any tier."""
+        remaining = list(dict.fromkeys(keys))
+        stores = self._snapshot_stores()
+        redis = next((store for store in stores if isinstance(store, RedisStore)), None)
+        for store in stores:
+            held = store.held(remaining)
+            for start in range(0, len(held), READ_BATCH):
+                chunks = list(store.read(held[start:start + READ_BATCH]))
+                yield from chunks if redis is None or store is redis else redis.with_metadata(chunks)
+            taken = set(held)
+            remaining = [key for key in remaining if key not in taken]
+
+    def write_chunks(self, chunks: Iterable[StoredChunk], tier: str | None = None) -> dict[str, dict[str, int]]:
+        """Into the disk directory (refused while an engine of this configuration runs: it would not see
+        them until restarted) or Redis (which a running engine reads afresh)."""
+        stores = {store.tier: store for store in self._snapshot_stores()}
+        tier = tier or next(iter(stores))
+        if tier not in stores:
+            present = ", ".join(stores)
+            raise UsageError(f"this configuration has no {tier} tier kvctl writes directly (it has {present})",
+                             hint=CPU_HINT if tier == "cpu" else f"choose among {present}")
+        if tier == "disk":
+            url = self.running_engine()
+            if url:
+                raise UsageError(f"an engine of this configuration is running at {url}: it would not see chunks "
+                                 "written behind its back until restarted", hint=f"load through it: --instance {url}")
+        written, already = stores[tier].write(list(chunks))
+        return {"written": {tier: written}, "already": {tier: already}}
+
+    def _snapshot_stores(self) -> list[DirectoryStore | RedisStore]:
+        if self.deployment.mode == "mp":
+            raise Unsupported("snapshots of an MP deployment are not supported yet",
+                              hint="save from and load into an in-process deployment")
+        stores = [chunk_store(store) for store in self.deployment.stores]
+        if not stores:
+            raise UsageError("this configuration names no disk or Redis tier kvctl reads directly", hint=CPU_HINT)
+        return stores
+
     # -- what needs an engine ----------------------------------------------------------------------
 
     def pin(self, tokens: list[int], ttl_s: float | None, tiers: Sequence[str] | None, model: str | None = None):
@@ -282,6 +413,33 @@ class OfflineInstance:
 
     def prefetch(self, tokens: list[int]) -> dict[str, Any]:
         raise Unsupported("prefetch loads chunks into a running engine's CPU tier", hint=NEEDS_ENGINE_HINT)
+
+
+def _read_regular(path: str) -> bytes | None:
+    """A regular file's bytes; None when there is none (a FIFO is never waited on)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except (FileNotFoundError, IsADirectoryError):
+        return None
+    except OSError as error:
+        raise KvctlError(f"cannot read {path}: {error.strerror}", hint="run kvctl as a user that can read the "
+                         "disk tier directory") from None
+    with os.fdopen(fd, "rb") as file:
+        return file.read() if stat.S_ISREG(os.fstat(fd).st_mode) else None
+
+
+def _write_whole(path: str, partial: str, data: bytes | memoryview) -> None:
+    """Write to `partial` (created afresh, never through a link) and rename it to `path`."""
+    try:
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "wb") as file:
+            file.write(data)
+        os.rename(partial, path)
+    except OSError as error:
+        with contextlib.suppress(OSError):
+            os.unlink(partial)
+        raise KvctlError(f"cannot write {path}: {error.strerror}",
+                         hint="check the disk tier directory's free space and permissions") from None
 
 
 def _alive(pid: Any) -> bool:

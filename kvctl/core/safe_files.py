@@ -21,11 +21,17 @@ _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
-def _check_regular(path: Path, info: os.stat_result) -> None:
+def require_regular(path: Path, info: os.stat_result | None = None,
+                    hint: str = "give the configuration file itself (kvctl reads only regular files)") -> None:
+    """Refuse what is not a regular file (a FIFO would hang a reader, a device never ends)."""
+    info = os.stat(path) if info is None else info
     if not stat.S_ISREG(info.st_mode):
         kind = next((name for test, name in _KINDS if test(info.st_mode)), "not a regular file")
-        raise KvctlError(f"{shown(str(path), PATH_CHARS)} is {kind}, not a regular file",
-                         hint="give the configuration file itself (kvctl reads only regular files)")
+        raise KvctlError(f"{shown(str(path), PATH_CHARS)} is {kind}, not a regular file", hint=hint)
+
+
+def _check_regular(path: Path, info: os.stat_result) -> None:
+    require_regular(path, info)
     if info.st_size > MAX_FILE_BYTES:
         raise _too_large(path, f"is {info.st_size} bytes,")
 

@@ -4,7 +4,8 @@ error body) is in wire.py, which imports nothing.
 
 Both servers are LMCache's, bound to 127.0.0.1 and without any authentication, so every request is
 checked before it reaches an engine: a loopback Host where the connection is on loopback (DNS
-rebinding), a JSON body only (cross-site form posts), a size cap, bounded parameters. The engine
+rebinding), a JSON body only (cross-site form posts; the chunk-bytes routes take
+application/octet-stream, which a form cannot send either), a size cap, bounded parameters. The engine
 work runs on a worker thread, never on the event loop that also serves LMCache's own routes. A
 malformed request is a 4xx with {"error", "message"}; only a failure inside the engine is a 500.
 """
@@ -21,11 +22,13 @@ from typing import Any, Callable
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
-from kvctl_plugins.wire import MAX_PAGE, TOKEN_VARIABLE, error_body
+from kvctl_plugins.wire import MAX_CHUNKS_BODY, MAX_PAGE, TOKEN_VARIABLE, error_body
 
 MAX_BODY_BYTES = 16 * 1024 * 1024  # a 128K-token lookup is about 1 MiB of JSON
+JSON_TYPE, FRAMES_TYPE = "application/json", "application/octet-stream"
+MAX_FRAMES_BODY = MAX_CHUNKS_BODY + 16 * 1024 * 1024  # the chunk bytes and their frame headers
 MAX_TOKENS = 1024 * 1024
 MAX_TOKEN_ID = 2**31 - 1
 MAX_KEYS = 100_000
@@ -66,23 +69,38 @@ class TooLarge(Rejected):
 
 
 class NotJSON(Rejected):
+    """A body of another media type than the route takes (JSON; chunk frames on the chunk routes)."""
+
     status, code = 415, "unsupported_media_type"
+
+
+class NoRoom(Rejected):
+    """The engine cannot make room for what it was asked to hold (HTTP 507)."""
+
+    status, code = 507, "no_room"
 
 
 def error(status: int, code: str, message: str) -> JSONResponse:
     return JSONResponse(error_body(code, message), status_code=status)
 
 
-async def serve(request: Request, engine: Any, operation: Callable[[Any, dict[str, Any]], Any],
-                no_engine: str) -> JSONResponse:
-    """Check the request, then answer operation(engine, body) computed on a worker thread."""
+async def serve(request: Request, engine: Any, operation: Callable[[Any, Any], Any], no_engine: str,
+                frames: bool = False) -> Response:
+    """Check the request, then answer operation(engine, body) computed on a worker thread. The body is
+    a JSON object, or with `frames` the raw bytes of an application/octet-stream body of chunk frames
+    (wire.py); the operation answers JSON, or a Response of its own (chunk bytes)."""
     try:
         check_host(request)
         check_token(request, os.environ.get(TOKEN_VARIABLE))
-        raw = await read_body(request)
+        raw = await (read_body(request, FRAMES_TYPE, MAX_FRAMES_BODY) if frames else read_body(request))
         if engine is None:
             return error(503, "no_engine", no_engine)
-        return await run_in_threadpool(lambda: JSONResponse(operation(engine, parse_body(raw))))
+
+        def work() -> Response:
+            answer = operation(engine, raw if frames else parse_body(raw))
+            return answer if isinstance(answer, Response) else JSONResponse(answer)
+
+        return await run_in_threadpool(work)
     except Rejected as rejected:
         return error(rejected.status, rejected.code, str(rejected))
     except Exception as failure:  # noqa: BLE001 - an engine failure still answers in the routes' shape
@@ -126,25 +144,25 @@ def _is_loopback_address(address: str) -> bool:
     return ip.is_loopback or bool(getattr(ip, "ipv4_mapped", None) and ip.ipv4_mapped.is_loopback)
 
 
-async def read_body(request: Request) -> bytes:
-    """The raw body, at most MAX_BODY_BYTES, and only ever JSON."""
+async def read_body(request: Request, media: str = JSON_TYPE, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The raw body, at most `limit` bytes, and only ever of the one media type the route takes."""
     length = request.headers.get("content-length")
     try:
         declared = int(length) if length is not None else 0
     except ValueError:
         raise BadRequest("Content-Length is not a number") from None
-    if declared > MAX_BODY_BYTES:
-        raise TooLarge(f"the body is {declared} bytes; the limit is {MAX_BODY_BYTES}")
+    if declared > limit:
+        raise TooLarge(f"the body is {declared} bytes; the limit is {limit}")
     if declared > 0 or "transfer-encoding" in request.headers:
         media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-        if media_type != "application/json":
-            raise NotJSON(f"the body must be application/json, not {media_type[:100] or 'untyped'}")
+        if media_type != media:
+            raise NotJSON(f"the body must be {media}, not {media_type[:100] or 'untyped'}")
     raw = bytearray()
     try:
         async for chunk in request.stream():
             raw += chunk
-            if len(raw) > MAX_BODY_BYTES:
-                raise TooLarge(f"the body is over the limit of {MAX_BODY_BYTES} bytes")
+            if len(raw) > limit:
+                raise TooLarge(f"the body is over the limit of {limit} bytes")
     except ClientDisconnect:
         raise BadRequest("the client went away before the end of its body") from None
     return bytes(raw)

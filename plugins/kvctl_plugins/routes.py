@@ -1,8 +1,14 @@
-"""/kvctl/v1 routes on LMCache's internal API server (JSON in, JSON out).
+"""/kvctl/v1 routes on LMCache's internal API server (JSON in, JSON out; chunk bytes as frames).
 
 Mounted on every internal API server the process creates, bound where that server is bound
 (127.0.0.1 by default). Requests are checked and engine work runs off the server's event loop as
 protocol.py says; a client mistake is a 4xx with {"error", "message"}, never a 500.
+
+Chunk bytes (snapshots), as bodies of frames (wire.py), application/octet-stream:
+    POST chunks/read   {"keys": [...], "tiers": [...]?} -> the frames of the keys held; when the next
+                       frame would take the chunk bytes over MAX_CHUNKS_BODY the answer stops there
+                       and NEXT_HEADER gives the index into "keys" to ask again from
+    POST chunks/write?tiers=cpu,disk   frames -> {"written", "already", "dropped"}: {tier: chunks}
 """
 
 from __future__ import annotations
@@ -10,12 +16,12 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from kvctl_plugins import engine_ops, protocol
 from kvctl_plugins.engine_ops import PinRegistry
 from kvctl_plugins.protocol import BadRequest
-from kvctl_plugins.wire import PREFIX
+from kvctl_plugins.wire import NEXT_HEADER, PREFIX
 
 router = APIRouter(prefix=PREFIX)
 PINS = PinRegistry()
@@ -24,9 +30,9 @@ NO_ENGINE = ("this process has no LMCache engine (a vLLM scheduler process); "
 MAX_TIERS = 8
 
 
-async def _serve(request: Request, operation) -> JSONResponse:
+async def _serve(request: Request, operation, frames: bool = False) -> Response:
     manager = getattr(request.app.state, "lmcache_adapter", None)
-    return await protocol.serve(request, getattr(manager, "lmcache_engine", None), operation, NO_ENGINE)
+    return await protocol.serve(request, getattr(manager, "lmcache_engine", None), operation, NO_ENGINE, frames)
 
 
 def _tiers(body: dict[str, Any]) -> list[str] | None:
@@ -96,6 +102,26 @@ async def evict(request: Request) -> JSONResponse:
 @router.post("/prefetch")
 async def prefetch(request: Request) -> JSONResponse:
     return await _serve(request, lambda engine, body: engine_ops.prefetch(engine, body.get("tokens")))
+
+
+@router.post("/chunks/read")
+async def read_chunks(request: Request) -> Response:
+    def operation(engine, body):
+        data, next_index = engine_ops.read_chunks(engine, body.get("keys"), _tiers(body))
+        headers = {} if next_index is None else {NEXT_HEADER: str(next_index)}
+        return Response(data, media_type=protocol.FRAMES_TYPE, headers=headers)
+
+    return await _serve(request, operation)
+
+
+@router.post("/chunks/write")
+async def write_chunks(request: Request) -> Response:
+    def operation(engine, raw):
+        tiers = request.query_params.get("tiers")
+        chosen = None if tiers is None else protocol.strings(tiers.split(","), "tiers (cpu, disk, redis)", MAX_TIERS)
+        return engine_ops.write_chunks(engine, raw, chosen)
+
+    return await _serve(request, operation, frames=True)
 
 
 def install() -> None:

@@ -7,12 +7,17 @@ Standard library only, and nothing at all at import time: kvctl's client imports
   their bearer token (TOKEN_VARIABLE);
 * the body of a refusal: {ERROR_CODE: "not_found", ERROR_MESSAGE: "no pin 'x'"};
 * the tier names the routes answer with, in LMCache's lookup order, and LMCache's hit rule over
-  them (StorageManager.batched_contains): each tier in order serves a prefix of what is still missing.
+  them (StorageManager.batched_contains): each tier in order serves a prefix of what is still missing;
+* how chunk bytes travel (snapshots): a body of frames, each a 4-byte big-endian header length, a
+  JSON header {"key", "size", "metadata"} and `size` bytes of LMCache's chunk data. `metadata` is the
+  hex of LMCache's RemoteMetadata header (shape, dtype, format) where the sender knows it, else null.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import json
+import struct
+from collections.abc import Iterator, Mapping, Sequence
 
 PREFIX = "/kvctl/v1"
 MAX_PAGE = 10_000  # the most keys one GET {PREFIX}/keys answers (in-process and MP routes alike)
@@ -24,6 +29,45 @@ ERROR_MESSAGE = "message"  # what a person reads
 # kvctl's tier names in LMCache's lookup order (LocalCPUBackend, LocalDiskBackend, a RemoteBackend on
 # Redis). An engine's routes answer its own backends' order, which may name "remote" or a backend.
 TIER_ORDER = ("cpu", "disk", "redis")
+
+
+FRAME_LENGTH = struct.Struct(">I")
+MAX_FRAME_HEADER = 8192  # a chunk key is at most a few hundred bytes
+MAX_CHUNKS_BODY = 256 * 1024 * 1024  # the most chunk bytes one request or answer carries
+NEXT_HEADER = "X-Kvctl-Next"  # a cut-short chunks/read answer: the index of the first key to ask for again
+
+
+def frame_header(key: str, size: int, metadata: bytes | None) -> bytes:
+    """What precedes a chunk's `size` bytes of data in a body of frames."""
+    header = json.dumps({"key": key, "size": size, "metadata": metadata.hex() if metadata else None},
+                        separators=(",", ":")).encode()
+    return FRAME_LENGTH.pack(len(header)) + header
+
+
+def read_frames(body: bytes | bytearray | memoryview) -> Iterator[tuple[str, memoryview, bytes | None]]:
+    """(key, data, metadata) of each frame, data a view into `body`; ValueError on anything malformed."""
+    view = memoryview(body)
+    offset = 0
+    while offset < len(view):
+        if offset + FRAME_LENGTH.size > len(view):
+            raise ValueError(f"a frame at byte {offset} is cut short")
+        (length,) = FRAME_LENGTH.unpack_from(view, offset)
+        offset += FRAME_LENGTH.size
+        if length > MAX_FRAME_HEADER or offset + length > len(view):
+            raise ValueError(f"a frame header at byte {offset} is {length} bytes: malformed or cut short")
+        try:
+            header = json.loads(bytes(view[offset:offset + length]))
+            key, size, metadata = header["key"], header["size"], header["metadata"]
+            metadata = None if metadata is None else bytes.fromhex(metadata)
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f"a frame header at byte {offset} is not {{key, size, metadata}}") from None
+        if not isinstance(key, str) or not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ValueError(f"a frame header at byte {offset} has a bad key or size")
+        offset += length
+        if offset + size > len(view):
+            raise ValueError(f"the data of {key!r} is cut short")
+        yield key, view[offset:offset + size], metadata
+        offset += size
 
 
 def error_body(code: str, message: str) -> dict[str, str]:

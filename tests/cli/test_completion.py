@@ -20,9 +20,9 @@ def test_checked_in_scripts_are_up_to_date(shell):
 
 
 # every command a user sees, in the order kvctl --help lists them
-TOP_COMMANDS = ["serve", "prewarm", "lookup", "keys", "ls", "pin", "unpin", "pins", "evict", "health", "stats", "top",
-                "freeze", "hot-cache", "chunk-stats", "doctor", "version", "config", "pin-set", "backends", "conf",
-                "quota", "model", "completion"]
+TOP_COMMANDS = ["serve", "prewarm", "lookup", "keys", "ls", "unpin", "pins", "evict", "health", "stats", "top",
+                "freeze", "hot-cache", "chunk-stats", "doctor", "version", "config", "pin", "snapshot", "backends",
+                "conf", "quota", "model", "completion"]
 
 def bash_complete(*words, path=None, env=None, cwd=None):
     line = " ".join(f"'{word}'" for word in words)
@@ -45,6 +45,10 @@ def bash_complete(*words, path=None, env=None, cwd=None):
     (["kvctl", "--format", "json", "config", "va"], ["validate"]),
     (["kvctl", "completion", "show", ""], ["bash", "zsh", "fish"]),
     (["kvctl", "config", "validate", "--de"], ["--debug"]),
+    (["kvctl", "pin", ""], ["apply"]),  # a group that is also a command: its subcommands, and its options
+    (["kvctl", "pin", "--tt"], ["--ttl"]),
+    (["kvctl", "pin", "--ttl", "10m", "--tokens-file", "t.json", "--ti"], ["--tier", "--timeout"]),
+    (["kvctl", "pin", "apply", "--dr"], ["--dry-run"]),
 ])
 def test_bash_completes_without_starting_python(words, expected):
     assert bash_complete(*words) == expected  # PATH has no python and no kvctl
@@ -100,6 +104,7 @@ def fish_complete(line):
     ("kvctl config init --mode ", ["inprocess", "mp"]),
     ("kvctl --format json config init --tier cpu:1 --hash-algorithm x", ["xxhash", "xxhash_cbor"]),
     ("kvctl completion show ", ["bash", "fish", "zsh"]),
+    ("kvctl pin ", ["apply"]),
 ])
 def test_fish_completes(line, expected):
     assert shutil.which("fish"), "fish is missing: run scripts/setup"

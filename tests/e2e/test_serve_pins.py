@@ -25,7 +25,7 @@ def test_serve_prefills_and_pins_its_pin_set_once_ready(tmp_path):
         assert pin["pinned"] == {"cpu": pin["chunks"], "disk": pin["chunks"]}  # prefilled, then pinned whole
         assert 3500 < pin["ttl_remaining_s"] <= 3600
         wait_until(lambda: "pin set boot: 1 pin" in serve.stderr.read_text(), 30, "the pin set reported")
-        again = serve.kvctl("pin-set", "apply", pins, "--format", "json")
+        again = serve.kvctl("pin", "apply", pins, "--format", "json")
         assert again.code == 0, again.stderr
         (step,) = json.loads(again.stdout)["steps"]
         assert (step["action"], step["pin_id"], step["prewarm"]) == ("refresh", pin["pin_id"], None)

@@ -14,8 +14,9 @@ from __future__ import annotations
 import threading
 import time
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
+from kvctl.core.doctor import KeyFacts
 from kvctl.core.errors import KvctlError, RejectedError, UnreachableError
 from kvctl.core.instance import (
     CoordinatorPin,
@@ -24,12 +25,15 @@ from kvctl.core.instance import (
     PinList,
     PinnedKey,
     Selection,
+    StoredChunk,
     Unpinned,
     Unsupported,
     plan_store_eviction,
 )
 from kvctl.core.keys import KeyRecipe, ObjectKey, key_string, parse_key
 from kvctl.core.listing import Chunk, Listing, TierListing, collect, selected
+from kvctl.core.lookup import Chunk as LookupChunk
+from kvctl.core.lookup import LookupResult
 from kvctl.core.target import DISK_SUFFIXES
 
 
@@ -119,6 +123,8 @@ class MemoryInstance:
         self.failing = failing or {}
         self.notes: list[str] = []
         self.held: dict[str, tuple[Pin, list[str]]] = {}  # pin id -> (the pin, the keys it holds)
+        self.data: dict[str, bytes] = {}  # chunk bytes written to it (snapshots)
+        self.hash_seed = "0"
 
     @property
     def pinned_keys(self) -> set[str]:
@@ -129,9 +135,6 @@ class MemoryInstance:
 
     def tokenize(self, prompt, model: str | None = None) -> list[int]:
         return prompt.token_ids(None)
-
-    def lookup(self, tokens: list[int], model: str | None = None):
-        raise Unsupported("a memory instance does not look up", hint="use kvctl ls")
 
     def list(self, tiers: Sequence[str] | None, model: str | None, limit: int) -> Listing:
         def lister(store: MemoryStore):
@@ -179,6 +182,42 @@ class MemoryInstance:
 
     def prefetch(self, tokens: list[int]):
         raise Unsupported("a memory instance has no tier to prefetch from", hint="drop --from-tier")
+
+    # -- snapshots: a chunk's bytes are kept in `data` (default: chunk_bytes(key)) -------------------
+
+    def key_facts(self, model: str | None = None) -> KeyFacts:
+        return KeyFacts(CHUNK_TOKENS, "crc32", self.hash_seed, self.model_name(model), "half", 1, "memory")
+
+    def lookup(self, tokens: list[int], model: str | None = None) -> LookupResult:
+        keys = memory_keys(tokens, self.model_name(model))
+        chunks = [LookupChunk(index, index * CHUNK_TOKENS, (index + 1) * CHUNK_TOKENS, key,
+                              [store.tier for store in self.stores if store.held([key])])
+                  for index, key in enumerate(keys)]
+        cached = next((chunk.index for chunk in chunks if not chunk.tiers), len(chunks))
+        return LookupResult(self.model_name(model), "memory", CHUNK_TOKENS, len(tokens), chunks,
+                            {"total": cached * CHUNK_TOKENS}, [store.tier for store in self.stores])
+
+    def read_chunks(self, keys: Sequence[str]) -> Iterator[StoredChunk]:
+        for key in dict.fromkeys(keys):
+            if any(store.held([key]) for store in self.stores):
+                yield StoredChunk(key, self.data.get(key, chunk_bytes(key)), b"meta:" + key.encode())
+
+    def write_chunks(self, chunks: Iterable[StoredChunk], tier: str | None = None) -> dict[str, dict[str, int]]:
+        store = next(store for store in self.stores if tier in (None, store.tier))
+        written = already = 0
+        for chunk in chunks:
+            if store.held([chunk.key]):
+                already += 1
+                continue
+            store.names.add(chunk.key)
+            self.data[chunk.key] = bytes(chunk.data)
+            written += 1
+        return {"written": {store.tier: written}, "already": {store.tier: already}}
+
+
+def chunk_bytes(key: str) -> bytes:
+    """What a stored chunk holds unless written otherwise: its key's bytes, repeated to CHUNK_BYTES."""
+    return (key.encode() * (CHUNK_BYTES // len(key) + 1))[:CHUNK_BYTES]
 
 
 class CoordinatorMemoryInstance(MemoryInstance):

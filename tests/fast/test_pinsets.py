@@ -1,5 +1,5 @@
 """Pin sets (kvctl.core.pinsets): the file and its errors, the ids, the plan against an instance's pins and
-its execution, and `kvctl pin-set apply` in process, on in-memory instances whose pins have ids."""
+its execution, and `kvctl pin apply` in process, on in-memory instances whose pins have ids."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from kvctl.core import pinsets
 from kvctl.core.errors import KvctlError, RejectedError
 from kvctl.core.instance import Pin, Unsupported
-from tests.fast.conftest import PROMPT, sample_stores
+from tests.fast.conftest import PROMPT, PROMPT_FILE, sample_stores
 from tests.fast.memory import CoordinatorMemoryInstance, MemoryInstance, memory_keys
 
 SECOND = list(range(200, 212))  # 3 chunks, none stored
@@ -201,23 +201,23 @@ def pinning(instances):
 
 def test_pin_set_apply_in_json_and_pins_shows_the_set(pinning, kvctl, tmp_path):
     path = write_set(tmp_path, TWO)
-    dry = kvctl("pin-set", "apply", path, "--dry-run", "--format", "json")
+    dry = kvctl("pin", "apply", path, "--dry-run", "--format", "json")
     assert dry.code == 0, dry.stderr
     shown = dry.json()
     assert shown["dry_run"] is True and shown["set"] == "hot" and shown["counts"] == {
         "pin": 2, "refresh": 0, "release": 0, "unchanged": 0}
     assert not pinning.one.held
-    done = kvctl("pin-set", "apply", path, "--format", "json").json()
+    done = kvctl("pin", "apply", path, "--format", "json").json()
     assert [(s["action"], s["file"], s["cached_chunks"], s["chunks"]) for s in done["steps"]] == [
         ("pin", "a.json", 4, 4), ("pin", "b.json", 0, 3)]
     listed = kvctl("pins", "--format", "json").json()["pins"]
     assert [(p["pin_id"], p["set"]) for p in listed] == [(s["pin_id"], "hot") for s in done["steps"]]
-    table = kvctl("pin-set", "apply", path, "--format", "table")
+    table = kvctl("pin", "apply", path, "--format", "table")
     assert table.code == 0 and "refresh" in table.stdout and "0/3" in table.stdout
 
 
 def test_pin_set_apply_on_every_instance(pinning, kvctl, tmp_path):
-    done = kvctl("pin-set", "apply", write_set(tmp_path, TWO), *pinning.all, "--format", "json")
+    done = kvctl("pin", "apply", write_set(tmp_path, TWO), *pinning.all, "--format", "json")
     assert done.code == 0, done.stderr
     assert [(report["instance"], report["counts"]["pin"]) for report in done.json()["instances"]] == [
         ("a", 2), ("b", 2)]
@@ -225,10 +225,25 @@ def test_pin_set_apply_on_every_instance(pinning, kvctl, tmp_path):
 
 
 def test_pin_set_apply_refuses_a_bad_file_before_asking_anyone(pinning, kvctl, tmp_path):
-    result = kvctl("pin-set", "apply", write_set(tmp_path, "name: x\npins: []\n"))
+    result = kvctl("pin", "apply", write_set(tmp_path, "name: x\npins: []\n"))
     assert result.code == 1 and result.stdout == ""
     lines = result.stderr.splitlines()
     assert len(lines) == 2 and "has no entries" in lines[0] and lines[1].startswith("hint: ")
+
+
+def test_pin_is_a_command_and_the_group_of_apply(pinning, kvctl):
+    shown = kvctl("pin", "--help")
+    assert shown.code == 0 and "--prompt-file" in shown.stdout and "--ttl" in shown.stdout
+    assert "apply" in shown.stdout and "Apply a pin set" in shown.stdout
+    plain = kvctl("pin", "--tokens-file", PROMPT_FILE, "--ttl", "10m", "--format", "json")
+    assert plain.code == 0, plain.stderr
+    assert plain.json()["pin_id"] in pinning.one.held and len(pinning.one.held) == 1
+
+
+def test_pin_options_before_apply_are_a_usage_error(pinning, kvctl, tmp_path):
+    result = kvctl("pin", "--instance", "all", "apply", write_set(tmp_path, TWO))
+    assert result.code == 2 and "--instance" in result.stderr and "after 'apply'" in result.stderr
+    assert not pinning.one.held and not any(member.held for member in pinning.members.values())
 
 
 def test_an_inventory_names_the_pin_set_serve_applies(tmp_path):

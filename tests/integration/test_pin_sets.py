@@ -1,4 +1,4 @@
-"""Pin sets against a real LMCache engine with kvctl's routes (CPU + disk tiers): `kvctl pin-set apply`
+"""Pin sets against a real LMCache engine with kvctl's routes (CPU + disk tiers): `kvctl pin apply`
 pins, refreshes and releases only its own pins, and re-pins after the engine restarts (its pins lived in
 its memory); the hook `kvctl serve --pins` runs after every start is applied to the engine's state file."""
 
@@ -75,11 +75,11 @@ def test_a_pin_set_is_applied_edited_and_applied_again_after_a_restart(engine):
     pin_set.write_text(SET)
     plain = kvctl(engine, "pin", "--tokens-file", c)
 
-    dry = kvctl(engine, "pin-set", "apply", pin_set, "--dry-run")
+    dry = kvctl(engine, "pin", "apply", pin_set, "--dry-run")
     assert dry["dry_run"] and dry["counts"] == {"pin": 2, "refresh": 0, "release": 0, "unchanged": 0}
     assert [pin["pin_id"] for pin in kvctl(engine, "pins")["pins"]] == [plain["pin_id"]]
 
-    applied = kvctl(engine, "pin-set", "apply", pin_set)
+    applied = kvctl(engine, "pin", "apply", pin_set)
     assert steps(applied) == {"prompts/a.json": ("pin", 2, 2), "prompts/b.json": ("pin", 1, 1)}
     ids = {step["file"]: step["pin_id"] for step in applied["steps"]}
     held = {pin["pin_id"]: pin for pin in kvctl(engine, "pins")["pins"]}
@@ -89,15 +89,15 @@ def test_a_pin_set_is_applied_edited_and_applied_again_after_a_restart(engine):
     assert 590 < held[ids["prompts/a.json"]]["ttl_remaining_s"] <= 600
     assert held[ids["prompts/b.json"]]["expires"] is None
 
-    again = kvctl(engine, "pin-set", "apply", pin_set, "--dry-run")
+    again = kvctl(engine, "pin", "apply", pin_set, "--dry-run")
     assert steps(again) == {"prompts/a.json": ("refresh", 2, 2), "prompts/b.json": ("unchanged", 1, 1)}
 
     pin_set.write_text(EDITED)  # b dropped, a's ttl changed
-    dry = kvctl(engine, "pin-set", "apply", pin_set, "--dry-run")
+    dry = kvctl(engine, "pin", "apply", pin_set, "--dry-run")
     assert steps(dry) == {"prompts/a.json": ("refresh", 2, 2), ids["prompts/b.json"]: ("release", 1, 1)}
     unchanged = {pin["pin_id"]: pin["expires"] for pin in kvctl(engine, "pins")["pins"]}
     assert unchanged == {pin_id: pin["expires"] for pin_id, pin in held.items()}  # the dry run changed nothing
-    done = kvctl(engine, "pin-set", "apply", pin_set)
+    done = kvctl(engine, "pin", "apply", pin_set)
     assert done["counts"] == {"pin": 0, "refresh": 1, "release": 1, "unchanged": 0} and "errors" not in done
     after = {pin["pin_id"]: pin for pin in kvctl(engine, "pins")["pins"]}
     assert set(after) == {plain["pin_id"], ids["prompts/a.json"]}  # the plain pin is untouched
@@ -107,7 +107,7 @@ def test_a_pin_set_is_applied_edited_and_applied_again_after_a_restart(engine):
     engine.start()
     assert kvctl(engine, "pins")["pins"] == []  # pins live in the engine's memory
     store(engine, "a", 0, 2)
-    restarted = kvctl(engine, "pin-set", "apply", pin_set)
+    restarted = kvctl(engine, "pin", "apply", pin_set)
     assert steps(restarted) == {"prompts/a.json": ("pin", 2, 2)}
     assert [pin["pin_id"] for pin in kvctl(engine, "pins")["pins"]] == [ids["prompts/a.json"]]  # the same id
     assert kvctl(engine, "lookup", "--tokens-file", a)["hit_tokens"]["total"] == 2 * CHUNK

@@ -1,0 +1,135 @@
+"""`kvctl snapshot save|load|ls`: move a warm cache between nodes as one file (kvctl.core.snapshot)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvctl.cli.fleet import open_one, selector
+from kvctl.cli.options import (
+    ConfigOption,
+    HashSeed,
+    InstanceOption,
+    KvDtype,
+    ModelOption,
+    StateOption,
+    Tier,
+    VllmOption,
+    WorldSize,
+)
+from kvctl.core.errors import ExitCode, UsageError
+from kvctl.output import Table
+
+app = typer.Typer(help="Snapshots: save cached chunks to one file, load them into another instance or "
+                  "configuration.", no_args_is_help=True)
+
+SnapshotFile = Annotated[Path, typer.Argument(help="A .kvsnap file written by kvctl snapshot save.", dir_okay=False)]
+
+
+def _mib(count: int) -> str:
+    return f"{count / 2**20:.1f} MiB"
+
+
+@app.command()
+def save(
+    ctx: typer.Context,
+    out: Annotated[Path, typer.Option("--out", "-o", help="The snapshot file to write (e.g. warm.kvsnap).",
+                                      dir_okay=False)],
+    prompt_file: Annotated[list[str] | None, typer.Option("--prompt-file", help="A prompt's text file "
+                                                          "(repeatable).")] = None,
+    chat: Annotated[list[str] | None, typer.Option("--chat", help="A JSON chat file (repeatable).")] = None,
+    tokens_file: Annotated[list[str] | None, typer.Option("--tokens-file", help="A JSON token-ids file "
+                                                          "(repeatable).")] = None,
+    pin_set: Annotated[Path | None, typer.Option("--pin-set", help="Every prompt of a pin set file.")] = None,
+    tier: Annotated[Tier | None, typer.Option("--tier", help="With --all: the tier whose chunks to save.")] = None,
+    everything: Annotated[bool, typer.Option("--all", help="Every chunk of --tier (of --model, if given).")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace the output file if it exists.")] = False,
+    model: ModelOption = None, vllm_url: VllmOption = None, instance: InstanceOption = None,
+    state: StateOption = None, config: ConfigOption = None,
+    kv_dtype: KvDtype = None, world_size: WorldSize = 1, hash_seed: HashSeed = None,
+) -> None:
+    """Save prompts' cached chunks (or a whole tier's) with a manifest into one file.
+
+    The file is a tar of LMCache's chunk bytes and manifest.json: what made the keys (model, KV dtype,
+    world size, chunk size, hash algorithm, hash seed), versions, each chunk's BLAKE3 checksum, and each saved
+    prompt's token ids. Chunks no tier holds are reported (exit 6); nothing cached at all is an error.
+    """
+    from kvctl.core import snapshot
+    from kvctl.core.tokens import PromptSource
+
+    sources = ([(path, PromptSource(prompt_file=path)) for path in prompt_file or []]
+               + [(path, PromptSource(chat=path)) for path in chat or []]
+               + [(path, PromptSource(tokens_file=path)) for path in tokens_file or []])
+    if pin_set is not None:
+        from kvctl.core import pinsets
+
+        sources += [(entry.label, entry.source()) for entry in pinsets.load(pin_set).entries]
+    if everything != (tier is not None) or not (sources or everything):
+        raise UsageError("say what to save: --prompt-file/--chat/--tokens-file, --pin-set, or --tier T --all",
+                         hint="e.g. kvctl snapshot save --prompt-file system.txt -o warm.kvsnap")
+    found = open_one(selector(instance, state, None, config, vllm_url, model=model, kv_dtype=kv_dtype,
+                              world_size=world_size, hash_seed=hash_seed))
+    prompts = snapshot.select_prompts(found, sources, model)
+    keys = snapshot.tier_keys(found, tier.value, model) if everything else []
+    report = snapshot.save(found, out, prompts, keys, model, overwrite=force)
+    rows = [(p.source, len(p.tokens), f"{p.saved}/{len(p.keys)}") for p in report.manifest.prompts]
+    ctx.obj.emit(report.as_dict(), [Table(["prompt", "tokens", "saved chunks"], rows,
+                                          caption=f"{len(report.manifest.chunks)} chunks, "
+                                          f"{_mib(report.manifest.total_bytes)} -> {report.path}")])
+    if report.exit_code:
+        ctx.obj.error(f"{len(report.manifest.missing)} selected chunks are not cached on {found.name} and are not "
+                      "in the snapshot", hint="prewarm them first (kvctl prewarm), then save again")
+        raise typer.Exit(report.exit_code)
+
+
+@app.command()
+def load(
+    ctx: typer.Context,
+    file: SnapshotFile,
+    tier: Annotated[Tier | None, typer.Option("--tier", help="Where the chunks go (default: a running engine's CPU "
+                                              "tier; a configuration's disk tier).")] = None,
+    model: ModelOption = None, vllm_url: VllmOption = None, instance: InstanceOption = None,
+    state: StateOption = None, config: ConfigOption = None,
+    kv_dtype: KvDtype = None, world_size: WorldSize = 1, hash_seed: HashSeed = None,
+) -> None:
+    """Load a snapshot: refuse a target that would make other keys, verify every checksum, then write.
+
+    Through a running engine (--instance) the chunks go into its tiers, so its index and accounting
+    stay exact; into a configuration (--config, no engine running) they are written to its disk
+    directory or Redis directly. Nothing is written unless every check passes. Per saved prompt: the
+    chunks now cached and the tokens a request would be served from the cache.
+    """
+    from kvctl.core import snapshot
+
+    if tier is Tier.all:
+        raise UsageError("--tier all does not say where to write", hint="choose one of cpu, disk, redis")
+    found = open_one(selector(instance, state, None, config, vllm_url, model=model, kv_dtype=kv_dtype,
+                              world_size=world_size, hash_seed=hash_seed))
+    report = snapshot.load(file, found, tier.value if tier else None, model)
+    rows = [(p.source, p.tokens, f"{p.cached}/{p.chunks}", p.hit_tokens) for p in report.prompts]
+    written = ", ".join(f"{count} written to {name}" for name, count in report.written.items())
+    already, dropped = sum(report.already.values()), sum(report.dropped.values())
+    ctx.obj.emit(report.as_dict(), [Table(["prompt", "tokens", "cached chunks", "hit tokens"], rows,
+                                          caption=f"{report.chunks} chunks ({_mib(report.bytes)}) verified; "
+                                          f"{written}; {already} already there")])
+    if dropped or any(p.cached < p.chunks for p in report.prompts):
+        ctx.obj.error(f"not everything stayed: {dropped} chunks were not kept by the tier, and saved prompts are "
+                      "not all wholly cached", hint="the tier may be too small for the snapshot: see kvctl stats")
+        raise typer.Exit(ExitCode.PARTIAL)
+
+
+@app.command("ls")
+def list_snapshot(ctx: typer.Context, file: SnapshotFile) -> None:
+    """What a snapshot holds: what made its keys, versions, its prompts and chunks."""
+    from kvctl.core import snapshot
+
+    summary = snapshot.listing(file)
+    facts = [(name, summary["keys"][name]) for name in snapshot.KEY_FIELDS]
+    facts += [(f"{name} version", value) for name, value in summary["versions"].items()]
+    facts += [("source", f"{summary['source'].get('instance')} ({summary['source'].get('kind')})"),
+              ("chunks", f"{summary['chunks']} ({_mib(summary['bytes'])})"), ("missing when saved", summary["missing"])]
+    rows = [(p["source"], p["tokens"], f"{p['saved']}/{p['chunks']}") for p in summary["prompts"]]
+    ctx.obj.emit(summary, [Table(["field", "value"], facts, title=str(file)),
+                           Table(["prompt", "tokens", "saved chunks"], rows)])

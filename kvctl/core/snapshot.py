@@ -1,0 +1,428 @@
+"""Snapshots: a warm cache moved between nodes as one self-describing file.
+
+A snapshot is an uncompressed POSIX tar (any `tar tf` lists it): one member per chunk
+(`chunks/NNNNNN`, LMCache's own data bytes) and `manifest.json` last, written once every checksum is
+known. The manifest says what makes the keys (model, KV dtype, world size, chunk size, hash algorithm,
+hash seed), the versions, each chunk's key, size, BLAKE3 checksum and LMCache metadata header (where
+the source tier keeps one), and the token ids of each saved prompt. BLAKE3 (LMCache's own dependency)
+is cryptographic and hashes at twice SHA-256's speed here, which is what keeps a save or load near
+the speed of copying the bytes.
+
+Saving reads the chunks through the instance (a live engine's routes, or a configuration's disk
+directory and Redis) into a temporary file that becomes the snapshot only when complete. Loading
+refuses a target that would make other keys, verifies every checksum before writing anything, writes
+through the instance and reports per prompt what is now cached.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import os
+import re
+import tarfile
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvctl.core.errors import ExitCode, KvctlError, UsageError
+from kvctl.core.instance import StoredChunk
+
+FORMAT = "kvctl-snapshot"
+VERSION = 1
+MANIFEST = "manifest.json"
+MAX_MANIFEST_BYTES = 512 * 1024 * 1024  # a million chunks and their prompts' token ids fit well inside
+BLOCK = tarfile.BLOCKSIZE
+KEY_FIELDS = ("model", "kv_dtype", "world_size", "chunk_size", "hash_algorithm", "hash_seed")
+CHECKSUM = re.compile(r"[0-9a-f]{64}").fullmatch  # a BLAKE3 digest, hex
+HASHING_THREADS = 2  # blake3 lets go of the GIL: checksums run beside the reads and writes
+IN_FLIGHT = 16  # chunks held in memory while their checksums are computed
+LS_HINT = "kvctl snapshot ls FILE shows what it holds and what made its keys"
+
+
+@dataclass
+class SavedPrompt:
+    source: str  # the file as the user named it
+    tokens: list[int]
+    keys: list[str]  # its chunk keys, every rank's
+    saved: int = 0  # of those, how many the snapshot holds
+
+    def as_dict(self, with_tokens: bool = False) -> dict[str, Any]:
+        shown = {"source": self.source, "tokens": len(self.tokens), "chunks": len(self.keys), "saved": self.saved}
+        return {**shown, "token_ids": self.tokens, "keys": self.keys} if with_tokens else shown
+
+
+@dataclass(frozen=True)
+class ChunkEntry:
+    key: str
+    member: str
+    size: int
+    blake3: str
+    metadata: str | None  # hex of LMCache's RemoteMetadata header, where the source tier kept one
+
+
+@dataclass
+class Manifest:
+    keys: dict[str, Any]  # KEY_FIELDS: what made the chunk keys (None: the source did not say)
+    versions: dict[str, str | None]
+    source: dict[str, str]
+    created: float
+    prompts: list[SavedPrompt] = field(default_factory=list)
+    chunks: list[ChunkEntry] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)  # selected keys no tier held when saving
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(chunk.size for chunk in self.chunks)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"format": FORMAT, "version": VERSION, "created": self.created, "source": self.source,
+                "versions": self.versions, "keys": self.keys,
+                "prompts": [prompt.as_dict(with_tokens=True) for prompt in self.prompts],
+                "chunks": [asdict(chunk) for chunk in self.chunks], "missing": self.missing}
+
+    def summary(self) -> dict[str, Any]:
+        """What `snapshot ls` shows: everything but the token ids and per-chunk entries."""
+        return {"created": self.created, "source": self.source, "versions": self.versions, "keys": self.keys,
+                "chunks": len(self.chunks), "bytes": self.total_bytes, "missing": len(self.missing),
+                "prompts": [prompt.as_dict() for prompt in self.prompts]}
+
+
+# -- saving --------------------------------------------------------------------------------------
+
+
+@dataclass
+class SaveReport:
+    path: str
+    manifest: Manifest
+
+    @property
+    def exit_code(self) -> int:
+        return ExitCode.PARTIAL if self.manifest.missing else ExitCode.OK
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"snapshot": self.path, "chunks": len(self.manifest.chunks), "bytes": self.manifest.total_bytes,
+                "missing": len(self.manifest.missing), "prompts": [p.as_dict() for p in self.manifest.prompts]}
+
+
+def prompt_keys(instance, tokens: list[int], model: str | None) -> list[str]:
+    """The chunk keys the instance makes for a prompt, every rank's (its lookup names rank 0's)."""
+    from kvctl.core.keys import key_of_rank, parse_key
+
+    keys = []
+    for chunk in instance.lookup(tokens, model).chunks:
+        parsed = parse_key(chunk.key)
+        keys.extend(key_of_rank(chunk.key, rank) for rank in range(parsed.world_size if parsed else 1))
+    return keys
+
+
+def select_prompts(instance, sources: Sequence[tuple[str, Any]], model: str | None) -> list[SavedPrompt]:
+    """Each (label, PromptSource) tokenized and keyed as the instance would."""
+    prompts = []
+    for label, source in sources:
+        tokens = instance.tokenize(source, model)
+        prompts.append(SavedPrompt(label, tokens, prompt_keys(instance, tokens, model)))
+    return prompts
+
+
+def tier_keys(instance, tier: str, model: str | None) -> list[str]:
+    """Every chunk key one tier holds (of `model`, else of every model)."""
+    listing = instance.list([tier], model, 2**31 - 1)
+    if listing.errors:
+        tier_name, why = next(iter(listing.errors.items()))
+        raise KvctlError(f"cannot list the {tier_name} tier: {why}", hint="check the tier (kvctl health) and retry")
+    return [chunk.key for listed in listing.tiers for chunk in listed.chunks]
+
+
+def save(instance, out: Path, prompts: list[SavedPrompt], keys: Sequence[str] = (), model: str | None = None,
+         overwrite: bool = False) -> SaveReport:
+    """Write the prompts' chunks (and `keys`) that some tier holds into `out`, atomically: a temporary
+    file next to it becomes the snapshot only once complete, so a failure leaves no half file."""
+    from kvctl import __version__
+    from kvctl.core.safe_files import require_regular
+
+    out = Path(out)
+    if out.exists():
+        require_regular(out, hint="write the snapshot to a file: -o NAME.kvsnap")
+        if not overwrite:
+            raise UsageError(f"{out} exists", hint="choose another -o, or add --force to replace it")
+    wanted = list(dict.fromkeys([key for prompt in prompts for key in prompt.keys] + list(keys)))
+    if not wanted:
+        raise UsageError("nothing selected to save", hint="give --prompt-file, --pin-set, or --tier T --all")
+    facts = instance.key_facts(model)
+    manifest = Manifest({name: getattr(facts, name) for name in KEY_FIELDS},
+                        {"kvctl": __version__, "lmcache": facts.lmcache_version},
+                        {"instance": instance.name, "kind": instance.kind}, time.time(), prompts)
+    temporary = out.with_name(f".{out.name}.{os.getpid()}.partial")
+    try:
+        with open(temporary, "xb") as sink, ThreadPoolExecutor(HASHING_THREADS) as hashing:
+            pending: deque = deque()
+            for number, chunk in enumerate(instance.read_chunks(wanted)):
+                member = f"chunks/{number:06d}"
+                size = memoryview(chunk.data).nbytes
+                pending.append((chunk, member, size, hashing.submit(checksum, chunk.data)))
+                sink.write(_member_header(member, size))
+                sink.write(chunk.data)
+                sink.write(bytes(-size % BLOCK))
+                while pending and (len(pending) > IN_FLIGHT or pending[0][3].done()):
+                    manifest.chunks.append(_entry(*pending.popleft()))
+            manifest.chunks.extend(_entry(*waiting) for waiting in pending)
+            saved = {chunk.key for chunk in manifest.chunks}
+            if not saved:
+                raise KvctlError(f"none of the {len(wanted)} selected chunks is cached on {instance.name}",
+                                 hint="prewarm the prompt first (kvctl prewarm), then save")
+            manifest.missing = [key for key in wanted if key not in saved]
+            for prompt in prompts:
+                prompt.saved = sum(key in saved for key in prompt.keys)
+            body = json.dumps(manifest.as_dict(), separators=(",", ":")).encode()
+            sink.write(_member_header(MANIFEST, len(body)) + body + bytes(-len(body) % BLOCK) + bytes(2 * BLOCK))
+        os.replace(temporary, out)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+    return SaveReport(str(out), manifest)
+
+
+def checksum(data: bytes | memoryview) -> str:
+    from blake3 import blake3
+
+    return blake3(data).hexdigest()
+
+
+def _entry(chunk: StoredChunk, member: str, size: int, digest) -> ChunkEntry:
+    return ChunkEntry(chunk.key, member, size, digest.result(), chunk.metadata.hex() if chunk.metadata else None)
+
+
+def _member_header(name: str, size: int) -> bytes:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime = size, 0o644, int(time.time())
+    return info.tobuf(tarfile.USTAR_FORMAT)
+
+
+# -- reading -------------------------------------------------------------------------------------
+
+
+class Snapshot:
+    """An open snapshot: its manifest, and its chunks' bytes as views into the mapped file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._file = None
+        self._map: mmap.mmap | None = None
+        self.manifest, self._extents = self._read()
+
+    def __enter__(self) -> Snapshot:
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._map is not None:
+            with contextlib.suppress(BufferError):  # a view still held elsewhere: the map goes with it
+                self._map.close()
+        if self._file is not None:
+            self._file.close()
+
+    def _bad(self, why: str) -> KvctlError:
+        return KvctlError(f"{self.path} is not a usable snapshot: {why}",
+                          hint="save it again (kvctl snapshot save); nothing was written")
+
+    def _read(self) -> tuple[Manifest, dict[str, tuple[int, int]]]:
+        from kvctl.core.safe_files import require_regular
+
+        if not self.path.exists():
+            raise UsageError(f"no snapshot at {self.path}", hint="give the .kvsnap file kvctl snapshot save wrote")
+        require_regular(self.path, hint="give the .kvsnap file kvctl snapshot save wrote")
+        size = self.path.stat().st_size
+        extents: dict[str, tuple[int, int]] = {}
+        try:
+            with tarfile.open(self.path, "r:") as archive:
+                for member in archive:
+                    if member.offset_data + member.size > size:
+                        raise self._bad(f"{member.name} is cut short (the file is truncated)")
+                    if member.isfile():
+                        extents[member.name] = (member.offset_data, member.size)
+        except (tarfile.TarError, OSError) as error:
+            raise self._bad(f"not a readable tar file ({error})") from None
+        if MANIFEST not in extents:
+            raise self._bad("it has no manifest.json (cut short while saving, or not a snapshot)")
+        manifest_end = sum(extents[MANIFEST]) + -extents[MANIFEST][1] % BLOCK
+        if size < manifest_end + 2 * BLOCK:
+            raise self._bad("it ends without tar's end-of-archive marker (the file is truncated)")
+        self._file = open(self.path, "rb")  # noqa: SIM115 - held open for the mapped views
+        self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+        offset, length = extents[MANIFEST]
+        if length > MAX_MANIFEST_BYTES:
+            raise self._bad(f"its manifest is {length} bytes")
+        try:
+            data = json.loads(self._map[offset:offset + length])
+        except ValueError:
+            raise self._bad("its manifest is not JSON") from None
+        return parse_manifest(data, extents, self._bad), extents
+
+    def view(self, entry: ChunkEntry) -> memoryview:
+        offset, size = self._extents[entry.member]
+        return memoryview(self._map)[offset:offset + size]
+
+    def verify(self) -> None:
+        """Every chunk's checksum against the manifest."""
+        def digest(entry: ChunkEntry) -> tuple[ChunkEntry, str]:
+            return entry, checksum(self.view(entry))
+
+        with ThreadPoolExecutor(HASHING_THREADS) as pool:
+            for entry, found in pool.map(digest, self.manifest.chunks):
+                if found != entry.blake3:
+                    raise self._bad(f"the checksum of chunk {entry.key} does not match (the file was changed)")
+
+    def chunks(self) -> Iterator[StoredChunk]:
+        for entry in self.manifest.chunks:
+            yield StoredChunk(entry.key, self.view(entry), bytes.fromhex(entry.metadata) if entry.metadata else None)
+
+
+def parse_manifest(data: Any, extents: dict[str, tuple[int, int]], bad) -> Manifest:
+    """The manifest, every field checked: a hostile file gets one line, never a traceback."""
+    from kvctl.core.keys import parse_key
+
+    def need(condition: bool, why: str) -> None:
+        if not condition:
+            raise bad(why)
+
+    need(isinstance(data, dict) and data.get("format") == FORMAT, "its manifest is not a kvctl snapshot's")
+    need(data.get("version") == VERSION, f"it is format version {data.get('version')!r}; this kvctl reads "
+         f"version {VERSION}")
+    keys, versions, source = data.get("keys"), data.get("versions"), data.get("source")
+    need(isinstance(keys, dict) and set(KEY_FIELDS) <= set(keys), "its manifest does not say what made its keys")
+    need(isinstance(versions, dict) and isinstance(source, dict), "its manifest has no versions or source")
+    need(isinstance(data.get("created"), (int, float)), "its manifest has no creation time")
+    chunks, seen = [], set()
+    for raw in data.get("chunks") if isinstance(data.get("chunks"), list) else [None]:
+        need(isinstance(raw, dict), "a chunk entry is not a mapping")
+        try:
+            entry = ChunkEntry(**raw)
+        except TypeError:
+            raise bad("a chunk entry has unknown or missing fields") from None
+        need(isinstance(entry.key, str) and parse_key(entry.key) is not None and entry.key not in seen,
+             f"chunk key {str(entry.key)[:80]!r} is not an LMCache chunk key, or repeats")
+        need(isinstance(entry.blake3, str) and CHECKSUM(entry.blake3) is not None, f"chunk {entry.key} has no checksum")
+        need(entry.member in extents and extents[entry.member][1] == entry.size,
+             f"chunk {entry.key}'s data is missing or of the wrong size (the file is truncated or changed)")
+        need(entry.metadata is None or (isinstance(entry.metadata, str) and _is_hex(entry.metadata)),
+             f"chunk {entry.key}'s metadata is not hex")
+        seen.add(entry.key)
+        chunks.append(entry)
+    prompts = []
+    for raw in data.get("prompts") if isinstance(data.get("prompts"), list) else [None]:
+        need(isinstance(raw, dict) and isinstance(raw.get("source"), str)
+             and _ints(raw.get("token_ids")) and isinstance(raw.get("keys"), list)
+             and all(isinstance(key, str) for key in raw["keys"]), "a prompt entry is malformed")
+        prompts.append(SavedPrompt(raw["source"], raw["token_ids"], raw["keys"], sum(k in seen for k in raw["keys"])))
+    missing = data.get("missing")
+    need(isinstance(missing, list), "its manifest has no list of missing chunks")
+    return Manifest(keys, versions, source, data["created"], prompts, chunks, missing)
+
+
+def _is_hex(text: str) -> bool:
+    try:
+        bytes.fromhex(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _ints(values: Any) -> bool:
+    return isinstance(values, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+
+
+# -- loading -------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoadedPrompt:
+    source: str
+    tokens: int
+    chunks: int
+    cached: int  # chunks the target now holds on some tier
+    hit_tokens: int  # what a request for the prompt would be served from the cache
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class LoadReport:
+    path: str
+    instance: str
+    tier: str | None
+    chunks: int
+    bytes: int
+    written: dict[str, int]  # per tier
+    already: dict[str, int]  # per tier: chunks it held before, left as they were
+    dropped: dict[str, int]  # per tier: chunks it did not keep (a full disk tier, a failed remote write)
+    prompts: list[LoadedPrompt]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"snapshot": self.path, "instance": self.instance, "tier": self.tier, "chunks": self.chunks,
+                "bytes": self.bytes, "written": self.written, "already": self.already, "dropped": self.dropped,
+                "prompts": [p.as_dict() for p in self.prompts]}
+
+
+def mismatches(saved: dict[str, Any], target) -> list[tuple[str, Any, Any]]:
+    """(field, saved value, target value) for each key ingredient both know and that differ."""
+    found = []
+    for name in KEY_FIELDS:
+        mine, theirs = saved.get(name), getattr(target, name)
+        if name == "hash_seed" and not target.seed_matters():
+            continue
+        if mine is not None and theirs is not None and str(mine) != str(theirs):
+            found.append((name, mine, theirs))
+    return found
+
+
+def check_compatible(snapshot: Snapshot, instance, model: str | None) -> None:
+    """Refuse a target that would make other keys: by what made the keys, then (what settles it) by the
+    keys the target itself makes for each saved prompt."""
+    from kvctl.core.doctor import KEY_FIELDS as LABELS
+
+    manifest = snapshot.manifest
+    found = mismatches(manifest.keys, instance.key_facts(model))
+    if found:
+        name, mine, theirs = found[0]
+        label, hint = LABELS[name]
+        raise UsageError(f"{snapshot.path} was saved with {label} {mine}; {instance.name} makes keys with {theirs}: "
+                         "its chunks would never be hit there", hint=hint)
+    for prompt in manifest.prompts:
+        made = prompt_keys(instance, prompt.tokens, model)
+        if made != prompt.keys:
+            raise UsageError(f"{instance.name} makes other chunk keys for {prompt.source} than {snapshot.path} holds "
+                             "(model name, hashing or seed differ): its chunks would never be hit there",
+                             hint=f"serve the same --model with the same LMCache settings; {LS_HINT}")
+
+
+def load(path: Path, instance, tier: str | None = None, model: str | None = None) -> LoadReport:
+    """Check, verify, then write the snapshot's chunks; nothing is written unless every check passes."""
+    with Snapshot(path) as snapshot:
+        check_compatible(snapshot, instance, model)
+        snapshot.verify()
+        manifest = snapshot.manifest
+        written = instance.write_chunks(snapshot.chunks(), tier)
+    if instance.settle_s and manifest.prompts:
+        time.sleep(instance.settle_s)
+    prompts = []
+    for prompt in manifest.prompts:
+        result = instance.lookup(prompt.tokens, model)
+        prompts.append(LoadedPrompt(prompt.source, len(prompt.tokens), len(result.chunks),
+                                    sum(bool(chunk.tiers) for chunk in result.chunks),
+                                    int(result.hit_tokens.get("total", 0))))
+    return LoadReport(str(path), instance.name, tier, len(manifest.chunks), manifest.total_bytes, written["written"],
+                      written["already"], written.get("dropped", {}), prompts)
+
+
+def listing(path: Path) -> dict[str, Any]:
+    with Snapshot(path) as snapshot:
+        return {"snapshot": str(path), **snapshot.manifest.summary()}

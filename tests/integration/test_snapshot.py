@@ -1,0 +1,170 @@
+"""`kvctl snapshot` against real LMCache engines and a real Redis: node A (a standalone engine with CPU, disk and
+Redis tiers) caches a prompt; its snapshot, saved through the engine or from its configuration directory, loads
+into configurations and engines that never saw the prompt, byte for byte, and those then hit it. What would make
+other keys, a changed file, or a running engine's disk directory is refused with nothing written."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from kvctl.core.keys import KeyRecipe, disk_file_name, inprocess_keys
+from tests.helpers import (
+    edit_yaml,
+    free_port,
+    http_json,
+    run_cli,
+    run_kvctl,
+    standalone_engine,
+    start_standalone_engine,
+    stop_process,
+    wait_until,
+)
+
+CHUNK = 256
+CHUNK_BYTES = 2 * 2 * CHUNK * 64 * 2  # kv, layers, tokens, heads x head size, float16
+TOKENS = list(range(1000, 1000 + 4 * CHUNK))
+KEYS = inprocess_keys(TOKENS, KeyRecipe("tiny", CHUNK, "sha256_cbor", "0", kv_dtype="half"))
+OFFLINE = ("--model", "tiny", "--kv-dtype", "float16")  # what the standalone engines serve
+
+
+@pytest.fixture(autouse=True)
+def own_cache_dir(tmp_path, monkeypatch):
+    """No `kvctl serve` state of this machine's user is read (it could name a running engine)."""
+    monkeypatch.setenv("KVCTL_CACHE_DIR", str(tmp_path / "kvctl-cache"))
+
+
+@pytest.fixture(scope="module")
+def node_a(tmp_path_factory, module_redis):
+    """A running engine (CPU, disk, Redis) that has cached TOKENS on every tier; its tokens file."""
+    root = tmp_path_factory.mktemp("node-a")
+    port_start = free_port()
+    init = run_kvctl("config", "init", "--out", root / "cfg", "--tier", "cpu:0.1", "--tier", f"disk:{root}/disk:1",
+                     "--tier", module_redis.url, "--internal-api-port-start", port_start, "--model", "tiny")
+    assert init.code == 0, init.stderr
+    log = root / "engine.log"
+    proc = start_standalone_engine(root / "cfg", log)
+    url = f"http://127.0.0.1:{port_start + 1}"
+    redis = module_redis.client()
+    try:
+        wait_until(lambda: http_json("GET", f"{url}/lmc_version"), 120, "standalone engine", proc, log)
+        http_json("POST", f"{url}/cache/store", params={"tokens_mock": f"{TOKENS[0]},{TOKENS[-1] + 1}"})
+        files = [root / "disk" / disk_file_name(key) for key in KEYS]
+        wait_until(lambda: all(path.exists() and path.stat().st_size == CHUNK_BYTES for path in files), 30, "disk")
+        wait_until(lambda: all(redis.exists(key + "metadata") for key in KEYS), 30, "chunks in Redis")
+        tokens = root / "tokens.json"
+        tokens.write_text(json.dumps(TOKENS))
+        yield {"url": url, "root": root, "config": root / "cfg", "tokens": tokens, "redis": redis,
+               "redis_server": module_redis}
+    finally:
+        stop_process(proc, grace=2)  # LMCache 0.5.6 never exits on SIGTERM with a redis:// tier
+
+
+def configuration(root: Path, *tiers: str, **yaml_changes) -> tuple[Path, int]:
+    """A fresh `kvctl config init` directory (no engine) with these tiers; its port_start."""
+    port_start = free_port()
+    init = run_kvctl("config", "init", "--out", root / "cfg", *(arg for tier in tiers for arg in ("--tier", tier)),
+                     "--internal-api-port-start", port_start, "--model", "tiny")
+    assert init.code == 0, init.stderr
+    if yaml_changes:
+        edit_yaml(root / "cfg" / "lmcache.yaml", **yaml_changes)
+    return root / "cfg", port_start
+
+
+def answer(*args, code: int = 0):
+    result = run_cli(*args, "--format", "json")
+    assert result.code == code, result.stdout + result.stderr
+    return json.loads(result.stdout) if code in (0, 6) else result
+
+
+def disk_files(directory: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in directory.iterdir()} if directory.exists() else {}
+
+
+@pytest.mark.slow
+def test_saved_through_the_engine_and_loaded_into_a_configuration_an_engine_then_hits(node_a, tmp_path):
+    snap = tmp_path / "warm.kvsnap"
+    saved = answer("snapshot", "save", "--instance", node_a["url"], "--tokens-file", node_a["tokens"], "-o", snap)
+    assert (saved["chunks"], saved["bytes"], saved["missing"]) == (4, 4 * CHUNK_BYTES, 0)
+    listed = answer("snapshot", "ls", snap)
+    assert listed["keys"] == {"model": "tiny", "kv_dtype": "half", "world_size": 1, "chunk_size": CHUNK,
+                              "hash_algorithm": "sha256_cbor", "hash_seed": "0"}
+
+    config, port_start = configuration(tmp_path / "b", "cpu:0.1", f"disk:{tmp_path}/b/disk:1")
+    loaded = answer("snapshot", "load", snap, "--config", config, *OFFLINE)
+    assert loaded["written"] == {"disk": 4} and loaded["prompts"][0]["cached"] == 4
+    assert loaded["prompts"][0]["hit_tokens"] == 4 * CHUNK
+    a_files = disk_files(node_a["root"] / "disk")
+    assert disk_files(tmp_path / "b" / "disk") == {disk_file_name(key): a_files[disk_file_name(key)] for key in KEYS}
+
+    log = tmp_path / "b" / "engine.log"
+    proc = start_standalone_engine(config, log)  # LMCache indexes the files at start (kvctl's disk index)
+    url = f"http://127.0.0.1:{port_start + 1}"
+    try:
+        wait_until(lambda: http_json("GET", f"{url}/lmc_version"), 120, "engine b", proc, log)
+        found = answer("lookup", "--instance", url, "--tokens-file", node_a["tokens"])
+        assert found["hit_tokens"]["total"] == 4 * CHUNK
+        assert all(chunk["tiers"] == ["disk"] for chunk in found["chunks"])
+    finally:
+        stop_process(proc, grace=5)
+
+
+@pytest.mark.slow
+def test_saved_from_a_configuration_and_loaded_into_another_redis(node_a, tmp_path):
+    """Offline: disk bytes with Redis's metadata headers, written to another Redis database as LMCache would."""
+    snap = tmp_path / "offline.kvsnap"
+    saved = answer("snapshot", "save", "--config", node_a["config"], *OFFLINE, "--tokens-file", node_a["tokens"],
+                   "-o", snap)
+    assert saved["chunks"] == 4
+    server = node_a["redis_server"]
+    config, _ = configuration(tmp_path / "c", "cpu:0.1", server.url + "/3")
+    loaded = answer("snapshot", "load", snap, "--config", config, *OFFLINE, "--tier", "redis")
+    assert loaded["written"] == {"redis": 4} and loaded["prompts"][0]["hit_tokens"] == 4 * CHUNK
+    redis = node_a["redis"]
+    target = type(redis)(host="127.0.0.1", port=server.port, password=server.password, db=3)
+    for key in KEYS:
+        for suffix in ("kv_bytes", "metadata"):
+            assert target.get(key + suffix) == redis.get(key + suffix)
+    again = answer("snapshot", "load", snap, "--config", config, *OFFLINE, "--tier", "redis")
+    assert again["written"] == {"redis": 0} and again["already"] == {"redis": 4}
+    target.flushdb()
+
+
+@pytest.mark.slow
+def test_a_target_that_makes_other_keys_is_refused_with_nothing_written(node_a, tmp_path):
+    snap = tmp_path / "warm.kvsnap"
+    answer("snapshot", "save", "--instance", node_a["url"], "--tokens-file", node_a["tokens"], "-o", snap)
+    config, _ = configuration(tmp_path / "d", "cpu:0.1", f"disk:{tmp_path}/d/disk:1", chunk_size=128)
+    refused = answer("snapshot", "load", snap, "--config", config, *OFFLINE, code=2)
+    assert "saved with chunk size 256" in refused.stderr and "makes keys with 128" in refused.stderr
+    assert "hint: set the same chunk_size" in refused.stderr
+    env = config / "env.sh"
+    edit_yaml(config / "lmcache.yaml", chunk_size=CHUNK)
+    env.write_text(env.read_text().replace("PYTHONHASHSEED=0", "PYTHONHASHSEED=7"))
+    refused = answer("snapshot", "load", snap, "--config", config, *OFFLINE, code=2)
+    assert "PYTHONHASHSEED 0" in refused.stderr and "makes keys with 7" in refused.stderr
+    refused = answer("snapshot", "load", snap, "--config", config, "--model", "other", "--kv-dtype", "float16", code=2)
+    assert "model name tiny" in refused.stderr
+    assert disk_files(tmp_path / "d" / "disk") == {}
+
+
+@pytest.mark.slow
+def test_a_changed_snapshot_and_a_running_engines_disk_are_refused_with_nothing_written(node_a, tmp_path):
+    snap = tmp_path / "warm.kvsnap"
+    answer("snapshot", "save", "--instance", node_a["url"], "--tokens-file", node_a["tokens"], "-o", snap)
+    with open(snap, "r+b") as file:  # one bit of the first chunk's data
+        file.seek(512 + 1000)
+        byte = file.read(1)
+        file.seek(512 + 1000)
+        file.write(bytes([byte[0] ^ 0x10]))
+    config, _ = configuration(tmp_path / "e", "cpu:0.1", f"disk:{tmp_path}/e/disk:1")
+    refused = answer("snapshot", "load", snap, "--config", config, *OFFLINE, code=1)
+    assert "checksum of chunk" in refused.stderr and disk_files(tmp_path / "e" / "disk") == {}
+
+    answer("snapshot", "save", "--instance", node_a["url"], "--tokens-file", node_a["tokens"], "-o", snap, "--force")
+    with standalone_engine(tmp_path / "f", "--tier", "cpu:0.1", "--tier", f"disk:{tmp_path}/f/disk:1",
+                           "--model", "tiny") as url:
+        refused = answer("snapshot", "load", snap, "--config", tmp_path / "f" / "cfg", *OFFLINE, code=2)
+        assert f"running at {url}" in refused.stderr and f"--instance {url}" in refused.stderr
+        assert not any(name.endswith(".pt") for name in os.listdir(tmp_path / "f" / "disk"))
