@@ -9,7 +9,16 @@ from typing import Annotated
 import typer
 
 from kvctl.cli.fleet import emit_fleet, open_one, run_fleet, selector
-from kvctl.cli.options import FleetInstance, InventoryOption, ModelOption, StateOption, TimeoutOption, VllmOption
+from kvctl.cli.options import (
+    ConfigOption,
+    CoordinatorOption,
+    FleetInstance,
+    InventoryOption,
+    ModelOption,
+    StateOption,
+    TimeoutOption,
+    VllmOption,
+)
 from kvctl.core.errors import ExitCode
 from kvctl.output import Table
 
@@ -25,7 +34,7 @@ def apply(
                                              "vLLM, where known.")] = False,
     model: ModelOption = None, vllm_url: VllmOption = None,
     instance: FleetInstance = None, state: StateOption = None, inventory: InventoryOption = None,
-    timeout: TimeoutOption = 30.0,
+    timeout: TimeoutOption = 30.0, coordinator: CoordinatorOption = None, config: ConfigOption = None,
 ) -> None:
     """Apply a pin set: pin its prompts that are not pinned, pin those with a TTL again (a fresh TTL),
     release the pins this set made that the file no longer lists. Plain pins and other sets' pins stay.
@@ -33,12 +42,13 @@ def apply(
     Each pin's id is set-NAME-DIGEST (`kvctl pins` shows the set), so re-applying, also after a
     restart of the engine (its pins are gone then), finds what is pinned. An entry with chunks not
     cached is prefilled through the instance's vLLM first, where known. Per entry: its chunks and how
-    many are cached (pinned). In-process instances only: the MP coordinator's pins have no ids.
+    many are cached (pinned). MP: the coordinator's pins have no ids, so kvctl keeps a ledger of the
+    set's pins per coordinator; entries there take no ttl or tiers.
     """
     from kvctl.core import pinsets
 
     pin_set = pinsets.load(file)  # a bad file is one error, before any instance is asked
-    chosen = selector(instance, state, inventory, vllm_url=vllm_url)
+    chosen = selector(instance, state, inventory, config, vllm_url, coordinator)
 
     def apply_one(found):
         application = pinsets.plan(pin_set, found, model)

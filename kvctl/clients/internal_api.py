@@ -99,8 +99,8 @@ class InternalAPIClient(HTTPClient):
         return self.request("GET", f"{PREFIX}/keys", params={"tier": tier, "offset": offset, "limit": limit})
 
     def pin(self, tokens: list[int], ttl_s: float | None = None, tiers: list[str] | None = None,
-            pin_id: str | None = None) -> dict[str, Any]:
-        body = {"tokens": tokens, "ttl_s": ttl_s, "tiers": tiers, "pin_id": pin_id}
+            pin_id: str | None = None, replace: bool = False) -> dict[str, Any]:
+        body = {"tokens": tokens, "ttl_s": ttl_s, "tiers": tiers, "pin_id": pin_id, "replace": replace or None}
         return self.request("POST", f"{PREFIX}/pin", {k: v for k, v in body.items() if v is not None})
 
     def unpin(self, pin_id: str | None = None, tokens: list[int] | None = None, everything: bool = False) -> dict:

@@ -34,15 +34,15 @@ def open_workers(worker0: str) -> Iterator[tuple[list, dict[str, Any]]]:
 
 
 def pin(worker0: str, tokens: list[int], ttl_s: float | None, tiers: list[str] | None,
-        pin_id: str | None = None) -> dict[str, Any]:
+        pin_id: str | None = None, replace: bool = False) -> dict[str, Any]:
     """One pin, under one id (`pin_id`, default a random one), on every worker; `pinned` counts the
-    chunks pinned on every rank."""
+    chunks pinned on every rank. `replace`: a pin of that id gives way only once the new one holds."""
     pin_id = pin_id or uuid.uuid4().hex[:12]
     with open_workers(worker0) as (workers, _info):
         answers = []
         try:
             for worker in workers:
-                answers.append(worker.pin(tokens, ttl_s, tiers, pin_id=pin_id))
+                answers.append(worker.pin(tokens, ttl_s, tiers, pin_id=pin_id, replace=replace))
         except BaseException:
             for worker in workers[:len(answers)]:  # no half pin left behind
                 worker.unpin(pin_id=pin_id)
@@ -292,8 +292,8 @@ class InProcessInstance:
         return EvictionPlan.from_dict(evict(self.worker0, dry_run=True, **chosen), remove)
 
     def pin(self, tokens: list[int], ttl_s: float | None, tiers, model: str | None = None,
-            pin_id: str | None = None):
-        return _typed_pin(pin(self.worker0, tokens, ttl_s, list(tiers) if tiers else None, pin_id))
+            pin_id: str | None = None, replace: bool = False):
+        return _typed_pin(pin(self.worker0, tokens, ttl_s, list(tiers) if tiers else None, pin_id, replace))
 
     def unpin(self, *, pin_id: str | None = None, tokens: list[int] | None = None, everything: bool = False,
               model: str | None = None):

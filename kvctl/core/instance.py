@@ -282,6 +282,9 @@ class Instance(Protocol):
 
     def pins(self, model: str | None = None) -> PinList: ...
 
+    def pin_scope(self) -> str:
+        """Only where pins have no ids (not pin_ids): where they live, which a pin set's ledger is kept for."""
+
     def prefetch(self, tokens: list[int]) -> dict[str, Any]: ...
 
     def key_facts(self, model: str | None = None) -> Any:

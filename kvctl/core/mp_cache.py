@@ -265,6 +265,10 @@ class MPInstance:
                               hint="pass the prompt that was pinned (--prompt-file/--chat/--tokens-file)")
         return self._pin_call("unpin", tokens, model)
 
+    def pin_scope(self) -> str:
+        """Where this instance's pins live, fleet-wide: its coordinator (a pin set's ledger is kept per one)."""
+        return self._coordinator()
+
     def pins(self, model: str | None = None):
         from kvctl.core.instance import PinList, PinnedKey
 

@@ -18,7 +18,9 @@ Membership lives in the pin id, so that it survives in the engine and needs no s
 relative to the set file, its tiers and its token ids. The same file on the same tokens gives the same
 id, so re-applying finds its pins; a changed prompt is a new pin (and the old one is released).
 
-Pins need ids: an instance whose pins have none (the MP coordinator's) is refused.
+The MP coordinator's pins have no ids (it counts pins per key): there the set's pins are found in a
+ledger kvctl keeps (kvctl.core.pin_ledger), and an entry may have no `ttl` or `tiers` (a coordinator
+pin holds a prompt's chunks in every L2 tier until it is released).
 """
 
 from __future__ import annotations
@@ -231,18 +233,12 @@ class Application:
         return answer
 
 
-def check_pin_ids(instance) -> None:
-    """Refuse an instance whose pins have no ids (the MP coordinator counts pins per key)."""
-    if not instance.pin_ids:
-        raise Unsupported(f"{instance.name} ({instance.kind}) has no pin ids, and a pin set finds its pins by id",
-                          hint="pin each prompt with kvctl pin; pin sets need an in-process instance")
-
-
 def plan(pin_set: PinSet, instance, model: str | None = None) -> Application:
     """The diff of the set against the instance's pins: nothing changes."""
     from kvctl.core.instance import Pin
 
-    check_pin_ids(instance)
+    if not instance.pin_ids:
+        return _ledger_plan(pin_set, instance, model)
     held = {pin.pin_id: pin for pin in instance.pins(model).pins if isinstance(pin, Pin)}
     steps: list[Step] = []
     wanted: set[str] = set()
@@ -268,23 +264,57 @@ def plan(pin_set: PinSet, instance, model: str | None = None) -> Application:
     return Application(pin_set.name, str(pin_set.path), instance.name, steps)
 
 
-def execute(application: Application, instance, model: str | None = None, prewarm: bool = True) -> Application:
-    """Release, refresh (unpin, pin again under the same id) and pin, step by step: a step that fails
-    carries its error and the others go on. With `prewarm` and an instance whose vLLM is known, an
-    entry with chunks not cached is first prefilled through it (kvctl.core.prewarm)."""
-    from kvctl.core.instance import Pin
+def _ledger_plan(pin_set: PinSet, instance, model: str | None) -> Application:
+    """The diff against what the set's ledger says it pinned through the coordinator, where the
+    coordinator still holds it (a lost pin is pinned again)."""
+    from kvctl.core.pin_ledger import Ledger
 
+    ledger = Ledger(instance.pin_scope(), pin_set.name)
+    pinned = {pin.key for pin in instance.pins(model).pins}
+    steps: list[Step] = []
+    wanted: set[str] = set()
+    for entry in pin_set.entries:
+        if entry.ttl_s is not None or entry.tiers:
+            raise Unsupported(f"{pin_set.path}: {entry.label} has a ttl or tiers, which {instance.name}'s pins (the "
+                              "MP coordinator's) do not take: they hold a prompt's chunks in every L2 tier until "
+                              "released", hint="drop ttl: and tiers: from the set's entries for MP instances")
+        tokens = instance.tokenize(entry.source(), model)
+        pin_id = pin_set.pin_id(entry, tokens)
+        wanted.add(pin_id)
+        keys = [chunk.key for chunk in instance.lookup(tokens, model).chunks]
+        held = sum(key in pinned for key in keys)
+        recorded = pin_id in ledger.entries
+        action = UNCHANGED if recorded and held else PIN
+        why = "lost by the coordinator (restarted without --metadata-path?)" if recorded and not held else None
+        steps.append(Step(action, pin_id, entry, tokens, why, len(keys), held))
+    steps += [Step(RELEASE, pin_id, None, record["tokens"]) for pin_id, record in ledger.entries.items()
+              if pin_id not in wanted]
+    return Application(pin_set.name, str(pin_set.path), instance.name, steps)
+
+
+def execute(application: Application, instance, model: str | None = None, prewarm: bool = True) -> Application:
+    """Release, refresh (pin again under the same id, which replaces the old pin only once the new one
+    holds: the chunks are never unpinned in between) and pin, step by step: a step that fails carries its
+    error and the others go on. With `prewarm` and an instance whose vLLM is known, an
+    entry with chunks not cached is first prefilled through it (kvctl.core.prewarm)."""
+    from kvctl.core.instance import CoordinatorPin, Pin
+    from kvctl.core.pin_ledger import Ledger
+
+    ledger = None if instance.pin_ids else Ledger(instance.pin_scope(), application.set)
     order = {RELEASE: 0, REFRESH: 1, PIN: 2, UNCHANGED: 3}
     for step in sorted(application.steps, key=lambda step: order[step.action]):
         if step.action == UNCHANGED:
             continue
         try:
-            if step.action in (RELEASE, REFRESH):
+            if step.action == RELEASE and ledger is not None:
+                instance.unpin(tokens=step.tokens, model=ledger.entries[step.pin_id]["model"])
+                ledger.forget(step.pin_id)
+                continue
+            if step.action == RELEASE:
                 try:
                     instance.unpin(pin_id=step.pin_id, model=model)
                 except RejectedError:  # gone since the plan (its TTL ended): nothing left to release
                     pass
-            if step.action == RELEASE:
                 continue
             entry = step.entry
             if prewarm and instance.vllm_url:
@@ -292,9 +322,16 @@ def execute(application: Application, instance, model: str | None = None, prewar
                     step.prewarm = _prewarm(instance, step, model)
                 except KvctlError as error:  # pinned all the same: what is cached is held
                     step.prewarm = f"not prefilled: {error.message}"
-            pin = instance.pin(step.tokens, entry.ttl_s, entry.tiers, model, pin_id=step.pin_id)
+            if ledger is not None:
+                pin = instance.pin(step.tokens, None, None, model)
+            else:
+                pin = instance.pin(step.tokens, entry.ttl_s, entry.tiers, model, pin_id=step.pin_id,
+                                   replace=step.action == REFRESH)
             if isinstance(pin, Pin):
                 step.chunks, step.cached_chunks, step.pinned = pin.chunks, _cached(pin), dict(pin.pinned)
+            elif isinstance(pin, CoordinatorPin) and ledger is not None:
+                step.chunks, step.cached_chunks = pin.requested, min(pin.affected, pin.requested)
+                ledger.record(step.pin_id, entry.label, pin.model, step.tokens)
         except KvctlError as error:
             step.error = error.message
     application.dry_run = False

@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from kvctl_plugins import engine_ops, protocol
+from kvctl_plugins import chunk_bytes, engine_ops, protocol
 from kvctl_plugins.engine_ops import PinRegistry
 from kvctl_plugins.protocol import BadRequest
 from kvctl_plugins.wire import NEXT_HEADER, PREFIX
@@ -63,7 +63,8 @@ async def keys(request: Request) -> JSONResponse:
 @router.post("/pin")
 async def pin(request: Request) -> JSONResponse:
     def operation(engine, body):
-        return PINS.pin(engine, body.get("tokens"), body.get("ttl_s"), _tiers(body), body.get("pin_id")).as_dict(engine)
+        return PINS.pin(engine, body.get("tokens"), body.get("ttl_s"), _tiers(body), body.get("pin_id"),
+                        body.get("replace") is True).as_dict(engine)
 
     return await _serve(request, operation)
 
@@ -107,7 +108,7 @@ async def prefetch(request: Request) -> JSONResponse:
 @router.post("/chunks/read")
 async def read_chunks(request: Request) -> Response:
     def operation(engine, body):
-        data, next_index = engine_ops.read_chunks(engine, body.get("keys"), _tiers(body))
+        data, next_index = chunk_bytes.read_chunks(engine, body.get("keys"), _tiers(body))
         headers = {} if next_index is None else {NEXT_HEADER: str(next_index)}
         return Response(data, media_type=protocol.FRAMES_TYPE, headers=headers)
 
@@ -119,7 +120,7 @@ async def write_chunks(request: Request) -> Response:
     def operation(engine, raw):
         tiers = request.query_params.get("tiers")
         chosen = None if tiers is None else protocol.strings(tiers.split(","), "tiers (cpu, disk, redis)", MAX_TIERS)
-        return engine_ops.write_chunks(engine, raw, chosen)
+        return chunk_bytes.write_chunks(engine, raw, chosen)
 
     return await _serve(request, operation, frames=True)
 

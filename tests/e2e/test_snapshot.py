@@ -1,5 +1,6 @@
 """A warm cache moved between two `kvctl serve` nodes on vLLM CPU: node A prefills a prompt and saves a snapshot;
-node B (its own configuration and disk directory, never asked the prompt) loads it through its engine. B's lookup
+node B (its own configuration and disk directory, never asked the prompt; the same --model value, which is part
+of every key) loads it through its engine. B's lookup
 then shows every chunk, its greedy completion equals A's first (uncached) one token for token, and LMCache
 counts retrieve hits for it."""
 
@@ -33,11 +34,12 @@ def retrieve_hit_tokens(serve: Serve) -> int:
 
 
 @pytest.mark.slow
-def test_a_snapshot_moves_a_warm_prompt_to_a_node_that_never_saw_it(tmp_path):
+def test_a_snapshot_moves_a_warm_prompt_to_a_node_that_never_saw_it(tmp_path, monkeypatch):
     prompt = prompt_file(tmp_path)
     snap = tmp_path / "warm.kvsnap"
     node_a = Serve(tmp_path / "node-a")
     try:
+        model = node_a.state["model"]
         uncached = greedy(node_a, prompt.read_text())  # the first request: nothing was cached yet
         chunks = len(answer(node_a, "lookup", "--prompt-file", prompt)["chunks"])
         wait_until(lambda: answer(node_a, "lookup", "--prompt-file", prompt)["hit_tokens"]["total"] == chunks * 256,
@@ -50,7 +52,8 @@ def test_a_snapshot_moves_a_warm_prompt_to_a_node_that_never_saw_it(tmp_path):
             node_a.stop()
     node_a.assert_nothing_left()
 
-    node_b = Serve(tmp_path / "node-b")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # what serve gives its own tiny model, here named by path
+    node_b = Serve(tmp_path / "node-b", model)  # the same --model value: a model name is part of every key
     try:
         assert node_b.state["config_dir"] != node_a.state["config_dir"]
         assert answer(node_b, "lookup", "--prompt-file", prompt)["hit_tokens"]["total"] == 0

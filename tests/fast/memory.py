@@ -246,6 +246,9 @@ class CoordinatorMemoryInstance(MemoryInstance):
     def pins(self, model: str | None = None) -> PinList:
         return PinList([PinnedKey(key, count) for key, count in sorted(self.counts.items())])
 
+    def pin_scope(self) -> str:
+        return f"memory-coordinator-{self.name}"
+
     def _count(self, tokens: list[int], model: str | None, step: int, status: str) -> CoordinatorPin:
         name = self.model_name(model)
         keys = memory_keys(tokens, name)

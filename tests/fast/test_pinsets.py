@@ -22,8 +22,8 @@ class PinIdInstance(MemoryInstance):
 
     pin_ids = True
 
-    def pin(self, tokens, ttl_s, tiers, model=None, pin_id=None):
-        if pin_id in self.held:
+    def pin(self, tokens, ttl_s, tiers, model=None, pin_id=None, replace=False):
+        if pin_id in self.held and not replace:
             raise RejectedError(f"pin {pin_id!r} exists already")
         pin = super().pin(tokens, ttl_s, tiers, model)
         del self.held[pin.pin_id]
@@ -136,10 +136,14 @@ def test_applying_pins_refreshes_and_releases_only_its_own_pins(tmp_path):
 
     created = instance.held[ids["a.json"]][0].created
     time.sleep(0.01)
+    released = []
+    instance.unpin = lambda **kwargs: released.append(kwargs)
     again = pinsets.apply(path, instance)
     assert actions(again) == {"a.json": "refresh", "b.json": "refresh"}
     assert [step.why for step in again.steps] == ["ttl", "uncached chunks"]
     assert instance.held[ids["a.json"]][0].created > created  # pinned again: a fresh TTL
+    assert released == []  # a refresh replaces the pin in one step: its chunks are never unpinned in between
+    del instance.unpin
 
     path.write_text("name: hot\npins:\n  - tokens_file: b.json\n")  # drop a.json
     instance.stores[0].names.update(memory_keys(SECOND, "llama"))  # b.json is cached now
@@ -181,10 +185,41 @@ def test_a_pin_gone_since_the_plan_is_pinned_again_or_counted_released(tmp_path)
     assert not done.errors and set(instance.held) == {ids[0]}
 
 
-def test_an_instance_whose_pins_have_no_ids_is_refused(tmp_path):
+NO_TTL = "name: hot\npins:\n  - tokens_file: a.json\n  - tokens_file: b.json\n"
+
+
+def test_a_coordinators_set_is_kept_in_a_ledger_and_releases_only_its_own_pins(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVCTL_CACHE_DIR", str(tmp_path / "cache"))
+    coordinator = CoordinatorMemoryInstance("mp", sample_stores())
+    coordinator.pin(PROMPT, None, None)  # someone else's pin of the same prompt
+    path = write_set(tmp_path, NO_TTL)
+    done = pinsets.apply(path, coordinator)
+    assert actions(done) == {"a.json": "pin", "b.json": "pin"} and not done.errors
+    assert [(step.chunks, step.cached_chunks) for step in done.steps] == [(4, 4), (3, 0)]
+    assert coordinator.counts == {key: 2 for key in memory_keys(PROMPT, "llama")}  # one pin each: theirs and ours
+
+    again = pinsets.apply(path, coordinator)
+    assert actions(again) == {"a.json": "unchanged", "b.json": "pin"}  # b has nothing cached to hold yet
+    assert coordinator.counts == {key: 2 for key in memory_keys(PROMPT, "llama")}
+
+    coordinator.counts.clear()  # a coordinator restarted without --metadata-path: its pins are gone
+    lost = pinsets.apply(path, coordinator, dry_run=True)
+    assert actions(lost) == {"a.json": "pin", "b.json": "pin"} and lost.steps[0].why.startswith("lost")
+    pinsets.apply(path, coordinator)
+    coordinator.pin(PROMPT, None, None)
+
+    path.write_text("name: hot\npins:\n  - tokens_file: b.json\n")  # a.json dropped
+    released = pinsets.apply(path, coordinator)
+    assert [step.action for step in released.steps] == ["pin", "release"] and not released.errors
+    assert coordinator.counts == {key: 1 for key in memory_keys(PROMPT, "llama")}  # the other pin stays
+    assert actions(pinsets.apply(path, coordinator, dry_run=True)) == {"b.json": "pin"}  # released for good
+
+
+def test_a_coordinators_set_takes_no_ttl_or_tiers(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVCTL_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(Unsupported) as raised:
         pinsets.apply(write_set(tmp_path, TWO), CoordinatorMemoryInstance("mp", sample_stores()))
-    assert "no pin ids" in raised.value.message and raised.value.hint
+    assert "a.json has a ttl or tiers" in raised.value.message and "drop ttl:" in raised.value.hint
 
 
 # -- the command ---------------------------------------------------------------------------------

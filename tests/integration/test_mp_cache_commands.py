@@ -4,6 +4,7 @@ real `lmcache coordinator` for pins."""
 
 import json
 import os
+import shutil
 import sys
 
 import pytest
@@ -220,3 +221,58 @@ def test_pins_go_through_the_coordinator_and_hold_l2_chunks(stack, tmp_path, mon
     assert answer["status"] == "unpinned" and answer["affected"] == 2
     _, listed = named("pins")
     assert listed == {"pins": []}
+
+
+@pytest.mark.slow
+def test_a_pin_set_goes_through_the_coordinator_and_releases_only_its_own_pins(stack, tmp_path, monkeypatch):
+    """The coordinator counts pins and gives them no ids: the set's are found in kvctl's ledger."""
+    monkeypatch.setenv("KVCTL_CACHE_DIR", str(tmp_path / "cache"))
+    stack.fresh()
+    kept, dropped = tokens(80, 2 * CHUNK), tokens(81, 2 * CHUNK)
+    stack.store_all(kept, dropped)
+    write_tokens(tmp_path / "kept.json", kept)
+    other = write_tokens(tmp_path / "dropped.json", dropped)
+    pin_set = tmp_path / "pins.yaml"
+    pin_set.write_text("name: mp-set\npins:\n  - tokens_file: kept.json\n  - tokens_file: dropped.json\n")
+    flags = ("--model", MODEL, "--coordinator", stack.coordinator)
+    apply = ("pin", "apply", pin_set, *flags, "--config", stack.config)  # the server's lookup joins its L2 stores
+
+    result, plain = stack.kvctl("pin", "--tokens-file", other, *flags)  # someone's own pin of the same prompt
+    assert result.code == 0 and plain["affected"] == 2, result.stderr
+    result, applied = stack.kvctl(*apply)
+    assert result.code == 0, result.stderr
+    assert applied["counts"] == {"pin": 2, "refresh": 0, "release": 0, "unchanged": 0}
+    assert [(step["chunks"], step["cached_chunks"]) for step in applied["steps"]] == [(2, 2), (2, 2)]
+    counts = {pin["key"]: pin["pin_count"] for pin in stack.kvctl("pins", *flags)[1]["pins"]}
+    assert counts == {**dict.fromkeys(native_keys(kept), 1), **dict.fromkeys(native_keys(dropped), 2)}
+
+    result, again = stack.kvctl(*apply)
+    assert again["counts"] == {"pin": 0, "refresh": 0, "release": 0, "unchanged": 2}, result.stderr
+
+    pin_set.write_text("name: mp-set\npins:\n  - tokens_file: kept.json\n")
+    result, released = stack.kvctl(*apply)
+    assert released["counts"] == {"pin": 0, "refresh": 0, "release": 1, "unchanged": 1}, result.stderr
+    counts = {pin["key"]: pin["pin_count"] for pin in stack.kvctl("pins", *flags)[1]["pins"]}
+    assert counts == {**dict.fromkeys(native_keys(kept), 1), **dict.fromkeys(native_keys(dropped), 1)}  # theirs stays
+
+    pin_set.write_text("name: mp-set\npins:\n  - tokens_file: kept.json\n    ttl: 1h\n")
+    result, _ = stack.kvctl(*apply)
+    assert result.code == 2 and "has a ttl or tiers" in result.stderr
+    for prompt in (tmp_path / "kept.json", other):
+        assert stack.kvctl("unpin", "--tokens-file", prompt, *flags)[0].code == 0
+
+
+@pytest.mark.slow
+def test_doctor_reads_a_real_mp_server_and_names_a_configuration_that_would_split_keys(stack, tmp_path):
+    result = run_cli("doctor", "--instance", stack.http, "--config", stack.config, "--format", "json")
+    report = json.loads(result.stdout)
+    assert result.code == 0 and not [f for f in report["findings"] if f["level"] != "info"], report
+
+    other = tmp_path / "cfg"  # the same deployment's files, but another chunk size
+    shutil.copytree(stack.config, other)
+    values = yaml.safe_load((other / "lmcache.yaml").read_text())
+    (other / "lmcache.yaml").write_text(yaml.safe_dump({**values, "chunk_size": CHUNK // 2}))
+    result = run_cli("doctor", "--instance", stack.http, "--config", other, "--format", "json")
+    (drift,) = json.loads(result.stdout)["findings"]
+    assert (drift["level"], drift["check"]) == ("warning", "config_drift")
+    assert f"running process has {CHUNK}" in drift["what"] and f"says {CHUNK // 2}" in drift["what"] and drift["hint"]

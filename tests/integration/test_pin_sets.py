@@ -102,6 +102,11 @@ def test_a_pin_set_is_applied_edited_and_applied_again_after_a_restart(engine):
     after = {pin["pin_id"]: pin for pin in kvctl(engine, "pins")["pins"]}
     assert set(after) == {plain["pin_id"], ids["prompts/a.json"]}  # the plain pin is untouched
     assert 3590 < after[ids["prompts/a.json"]]["ttl_remaining_s"] <= 3600
+    replaced = kvctl(engine, "evict", "--tokens-file", a, "--dry-run")  # the refreshed pin holds a's chunks
+    assert replaced["removed"] == {"cpu": 0, "disk": 0} and replaced["skipped_pinned"] == {"cpu": 2, "disk": 2}
+    kvctl(engine, "unpin", "--pin-id", ids["prompts/a.json"])
+    freed = kvctl(engine, "evict", "--tokens-file", a, "--dry-run")  # and the pin it replaced left no hold behind
+    assert freed["removed"] == {"cpu": 2, "disk": 2} and freed["held_by_lmcache"] == {"cpu": 0, "disk": 0}
 
     engine.stop()
     engine.start()

@@ -1,0 +1,61 @@
+"""What a pin set pinned through the MP coordinator, which counts pins per key and gives them no ids.
+
+The coordinator cannot say which of its pins a set made, so kvctl keeps a ledger per coordinator and
+set, `{pin_id: {file, model, tokens}}`, in its cache directory (a 0600 file). Applying the set finds
+its pins there (checked against the coordinator's pinned keys: one restarted without --metadata-path
+has lost them) and releases those the file no longer lists by their prompts: one unpin undoes one pin,
+so other pins of the same chunks stay. Several kvctl machines applying one set each keep their own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from kvctl.core.errors import KvctlError
+
+
+class Ledger:
+    def __init__(self, scope: str, set_name: str) -> None:
+        from kvctl.core.paths import cache_dir
+
+        digest = hashlib.sha256(scope.encode()).hexdigest()[:16]
+        self.path = cache_dir() / "pin-ledgers" / digest / f"{set_name}.json"
+        self.entries: dict[str, dict[str, Any]] = self._read()
+
+    def _read(self) -> dict[str, dict[str, Any]]:
+        from kvctl.core.safe_files import require_regular
+
+        if not self.path.exists():
+            return {}
+        require_regular(self.path, hint=f"remove {self.path}: kvctl writes it")
+        try:
+            entries = json.loads(self.path.read_text())
+            if not all(isinstance(record["tokens"], list) and isinstance(record["model"], str)
+                       for record in entries.values()):
+                raise ValueError
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            raise KvctlError(f"{self.path} is not a pin set ledger kvctl can read",
+                             hint="remove it; the next apply pins the set again (the coordinator counts each "
+                             "pin, so unpin the set's prompts by hand first if they are still pinned)") from None
+        return entries
+
+    def record(self, pin_id: str, file: str, model: str, tokens: list[int]) -> None:
+        self.entries[pin_id] = {"file": file, "model": model, "tokens": tokens}
+        self._save()
+
+    def forget(self, pin_id: str) -> None:
+        self.entries.pop(pin_id, None)
+        self._save()
+
+    def _save(self) -> None:
+        """Written whole and renamed, readable by its owner only (it holds prompts' token ids)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        partial = Path(f"{self.path}.{os.getpid()}.partial")
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as file:
+            json.dump(self.entries, file)
+        os.replace(partial, self.path)
