@@ -78,7 +78,7 @@ _kvctl_complete() {
             "config validate") valued=" --mode --block-size --format " ;;
             "config show") valued=" --format " ;;
             "pin") valued=" --prompt-file --chat --tokens-file --model --vllm-url --ttl --tier --instance --state --inventory --timeout --coordinator --format " ;;
-            "pin apply") valued=" --model --vllm-url --instance --state --inventory --timeout --format " ;;
+            "pin apply") valued=" --model --vllm-url --instance --state --inventory --timeout --coordinator --config --format " ;;
             "snapshot") valued=" --format " ;;
             "snapshot save") valued=" --out -o --prompt-file --chat --tokens-file --pin-set --tier --model --vllm-url --instance --state --config --kv-dtype --world-size --hash-seed --format " ;;
             "snapshot load") valued=" --tier --model --vllm-url --instance --state --config --kv-dtype --world-size --hash-seed --format " ;;
@@ -272,6 +272,8 @@ _kvctl_complete() {
             "pin apply|--state") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "pin apply|--inventory") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "pin apply|--timeout") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "pin apply|--coordinator") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "pin apply|--config") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "pin apply|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
             "snapshot|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
             "snapshot save|--out") COMPREPLY=($(compgen -f -- "$cur")); return ;;
@@ -387,7 +389,7 @@ _kvctl_complete() {
             "config validate") words="--mode --block-size --lmcache --no-lmcache --format --debug -q --quiet -h --help" ;;
             "config show") words="--sources --changed --format --debug -q --quiet -h --help" ;;
             "pin") words="--prompt-file --chat --tokens-file --model --vllm-url --ttl --tier --instance --state --inventory --timeout --coordinator --format --debug -q --quiet -h --help" ;;
-            "pin apply") words="--dry-run --no-prewarm --model --vllm-url --instance --state --inventory --timeout --format --debug -q --quiet -h --help" ;;
+            "pin apply") words="--dry-run --no-prewarm --model --vllm-url --instance --state --inventory --timeout --coordinator --config --format --debug -q --quiet -h --help" ;;
             "snapshot") words="--format --debug -q --quiet -h --help" ;;
             "snapshot save") words="--out -o --prompt-file --chat --tokens-file --pin-set --tier --all --force --model --vllm-url --instance --state --config --kv-dtype --world-size --hash-seed --format --debug -q --quiet -h --help" ;;
             "snapshot load") words="--tier --model --vllm-url --instance --state --config --kv-dtype --world-size --hash-seed --format --debug -q --quiet -h --help" ;;

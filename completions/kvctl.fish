@@ -196,7 +196,7 @@ function __kvctl_path
             case 'pin'
                 set valued --prompt-file --chat --tokens-file --model --vllm-url --ttl --tier --instance --state --inventory --timeout --coordinator --format
             case 'pin apply'
-                set valued --model --vllm-url --instance --state --inventory --timeout --format
+                set valued --model --vllm-url --instance --state --inventory --timeout --coordinator --config --format
             case 'snapshot'
                 set valued --format
             case 'snapshot save'
@@ -543,6 +543,8 @@ complete -c kvctl -n '__kvctl_at '\''pin apply'\''' -l instance -x -a '(kvctl co
 complete -c kvctl -n '__kvctl_at '\''pin apply'\''' -l state -r -F -d 'The state file of a '\''kvctl serve'\'' (default: the most recent one).'
 complete -c kvctl -n '__kvctl_at '\''pin apply'\''' -l inventory -r -F -d 'A kvctl.yaml fleet inventory (default: $KVCTL_INVENTORY, ./kvctl.yaml, ~/.config/kvctl/kvctl.yaml).'
 complete -c kvctl -n '__kvctl_at '\''pin apply'\''' -l timeout -r -F -d 'Seconds each instance gets.'
+complete -c kvctl -n '__kvctl_at '\''pin apply'\''' -l coordinator -r -F -d 'MP mode: the LMCache coordinator'\''s URL, where pins live (default: the server'\''s own, or '\''coordinator:'\'' in kvctl.yaml).'
+complete -c kvctl -n '__kvctl_at '\''pin apply'\''' -l config -r -F -d 'A '\''kvctl config init'\'' directory or an lmcache.yaml: alone, its stores are read directly (no engine); with an MP server'\''s --instance, its L2 stores.'
 complete -c kvctl -n '__kvctl_at '\''pin apply'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
 complete -c kvctl -n '__kvctl_at '\''pin apply'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
 complete -c kvctl -n '__kvctl_at '\''pin apply'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
