@@ -7,8 +7,9 @@ against `cp -r` of the chunk directory. Redis: the same chunks in a redis-server
 of LMCache's names per chunk), saved from and loaded into it (an emptied database): the load against
 `redis-benchmark -P 16 -t set` with values of the chunk size, the save against pipelined GETs of the
 same names (redis-benchmark's GET would read keys its own SET run wrote, mostly missing ones). The
-page cache is warm for every run; each figure is the best of three. Goal (issue: beyond every peer): every ratio >= 0.5.
-The last line holds the figures.
+page cache is warm and no writeback pending at the start of every run; each figure is the best of
+five (this machine's disk throughput varies up to 2x from run to run). Goal (issue: beyond every
+peer): every ratio >= 0.5. The last line holds the figures.
 """
 
 from __future__ import annotations
@@ -30,14 +31,17 @@ from kvctl.core import snapshot  # noqa: E402
 from kvctl.core.keys import KeyRecipe, disk_file_name, key_string  # noqa: E402
 from kvctl.core.offline import OfflineInstance  # noqa: E402
 
-RUNS = 3
+RUNS = 5
 HEADER = bytes(28)  # an LMCache RemoteMetadata header's size (one KV group): its content is not read here
 
 
 def best(run, prepare=lambda: None) -> float:
+    """The shortest of RUNS runs, each started with no dirty pages pending (os.sync): otherwise a run pays
+    for the writeback of the one before it, and whichever runs later looks slower."""
     times = []
     for _ in range(RUNS):
         prepare()
+        os.sync()
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)

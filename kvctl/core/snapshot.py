@@ -40,7 +40,7 @@ MAX_MANIFEST_BYTES = 512 * 1024 * 1024  # a million chunks and their prompts' to
 BLOCK = tarfile.BLOCKSIZE
 KEY_FIELDS = ("model", "kv_dtype", "world_size", "chunk_size", "hash_algorithm", "hash_seed")
 CHECKSUM = re.compile(r"[0-9a-f]{64}").fullmatch  # a BLAKE3 digest, hex
-HASHING_THREADS = 2  # blake3 lets go of the GIL: checksums run beside the reads and writes
+VERIFYING_THREADS = 2  # blake3 lets go of the GIL: a load checks every chunk on both cores before it writes
 IN_FLIGHT = 16  # chunks held in memory while their checksums are computed
 LS_HINT = "kvctl snapshot ls FILE shows what it holds and what made its keys"
 
@@ -160,7 +160,7 @@ def save(instance, out: Path, prompts: list[SavedPrompt], keys: Sequence[str] = 
                         {"instance": instance.name, "kind": instance.kind}, time.time(), prompts)
     temporary = out.with_name(f".{out.name}.{os.getpid()}.partial")
     try:
-        with open(temporary, "xb") as sink, ThreadPoolExecutor(HASHING_THREADS) as hashing:
+        with open(temporary, "xb") as sink, ThreadPoolExecutor(1) as hashing:  # the other core copies
             pending: deque = deque()
             for number, chunk in enumerate(instance.read_chunks(wanted)):
                 member = f"chunks/{number:06d}"
@@ -275,7 +275,7 @@ class Snapshot:
         def digest(entry: ChunkEntry) -> tuple[ChunkEntry, str]:
             return entry, checksum(self.view(entry))
 
-        with ThreadPoolExecutor(HASHING_THREADS) as pool:
+        with ThreadPoolExecutor(VERIFYING_THREADS) as pool:
             for entry, found in pool.map(digest, self.manifest.chunks):
                 if found != entry.blake3:
                     raise self._bad(f"the checksum of chunk {entry.key} does not match (the file was changed)")
