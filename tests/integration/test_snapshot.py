@@ -39,16 +39,9 @@ def own_cache_dir(tmp_path, monkeypatch):
 def node_a(tmp_path_factory, module_redis):
     """A running engine (CPU, disk, Redis) that has cached TOKENS on every tier; its tokens file."""
     root = tmp_path_factory.mktemp("node-a")
-    port_start = free_port()
-    init = run_kvctl("config", "init", "--out", root / "cfg", "--tier", "cpu:0.1", "--tier", f"disk:{root}/disk:1",
-                     "--tier", module_redis.url, "--internal-api-port-start", port_start, "--model", "tiny")
-    assert init.code == 0, init.stderr
-    log = root / "engine.log"
-    proc = start_standalone_engine(root / "cfg", log)
-    url = f"http://127.0.0.1:{port_start + 1}"
     redis = module_redis.client()
-    try:
-        wait_until(lambda: http_json("GET", f"{url}/lmc_version"), 120, "standalone engine", proc, log)
+    with standalone_engine(root, "--tier", "cpu:0.1", "--tier", f"disk:{root}/disk:1", "--tier", module_redis.url,
+                           "--model", "tiny") as url:
         http_json("POST", f"{url}/cache/store", params={"tokens_mock": f"{TOKENS[0]},{TOKENS[-1] + 1}"})
         files = [root / "disk" / disk_file_name(key) for key in KEYS]
         wait_until(lambda: all(path.exists() and path.stat().st_size == CHUNK_BYTES for path in files), 30, "disk")
@@ -57,8 +50,6 @@ def node_a(tmp_path_factory, module_redis):
         tokens.write_text(json.dumps(TOKENS))
         yield {"url": url, "root": root, "config": root / "cfg", "tokens": tokens, "redis": redis,
                "redis_server": module_redis}
-    finally:
-        stop_process(proc, grace=2)  # LMCache 0.5.6 never exits on SIGTERM with a redis:// tier
 
 
 def configuration(root: Path, *tiers: str, **yaml_changes) -> tuple[Path, int]:
