@@ -70,7 +70,7 @@ _kvctl_complete() {
             "top") valued=" --instance --state --inventory --timeout --interval --format " ;;
             "freeze") valued=" --instance --state --inventory --timeout --format " ;;
             "hot-cache") valued=" --instance --state --inventory --timeout --format " ;;
-            "chunk-stats") valued=" --instance --state --inventory --format " ;;
+            "chunk-stats") valued=" --limit --dir --instance --state --inventory --format " ;;
             "doctor") valued=" --instance --state --inventory --config --timeout --format " ;;
             "version") valued=" --format " ;;
             "config") valued=" --format " ;;
@@ -224,6 +224,8 @@ _kvctl_complete() {
             "hot-cache|--inventory") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "hot-cache|--timeout") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "hot-cache|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
+            "chunk-stats|--limit") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "chunk-stats|--dir") COMPREPLY=($(compgen -d -- "$cur")); return ;;
             "chunk-stats|--instance") COMPREPLY=($(kvctl complete-values instances "$cur" 2>/dev/null)); return ;;
             "chunk-stats|--state") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "chunk-stats|--inventory") COMPREPLY=($(compgen -f -- "$cur")); return ;;
@@ -381,7 +383,7 @@ _kvctl_complete() {
             "top") words="--instance --state --inventory --timeout --interval --once --format --debug -q --quiet -h --help" ;;
             "freeze") words="--instance --state --inventory --timeout --format --debug -q --quiet -h --help" ;;
             "hot-cache") words="--instance --state --inventory --timeout --format --debug -q --quiet -h --help" ;;
-            "chunk-stats") words="--instance --state --inventory --format --debug -q --quiet -h --help" ;;
+            "chunk-stats") words="--limit --dir --instance --state --inventory --format --debug -q --quiet -h --help" ;;
             "doctor") words="--instance --state --inventory --config --timeout --format --debug -q --quiet -h --help" ;;
             "version") words="--format --debug -q --quiet -h --help" ;;
             "config") words="--format --debug -q --quiet -h --help" ;;
@@ -422,7 +424,7 @@ _kvctl_complete() {
             "prewarm") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "freeze") COMPREPLY=($(compgen -W "on off status" -- "$cur")); return ;;
             "hot-cache") COMPREPLY=($(compgen -W "on off status" -- "$cur")); return ;;
-            "chunk-stats") COMPREPLY=($(compgen -W "start stop reset status" -- "$cur")); return ;;
+            "chunk-stats") COMPREPLY=($(compgen -W "start stop reset status top" -- "$cur")); return ;;
             "config") words="init validate show" ;;
             "config validate") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "config show") COMPREPLY=($(compgen -f -- "$cur")); return ;;

@@ -180,7 +180,7 @@ function __kvctl_path
             case 'hot-cache'
                 set valued --instance --state --inventory --timeout --format
             case 'chunk-stats'
-                set valued --instance --state --inventory --format
+                set valued --limit --dir --instance --state --inventory --format
             case 'doctor'
                 set valued --instance --state --inventory --config --timeout --format
             case 'version'
@@ -457,7 +457,9 @@ complete -c kvctl -n '__kvctl_at '\''hot-cache'\''' -l format -x -a 'table json'
 complete -c kvctl -n '__kvctl_at '\''hot-cache'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
 complete -c kvctl -n '__kvctl_at '\''hot-cache'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
 complete -c kvctl -n '__kvctl_at '\''hot-cache'\''' -s h -l help -d 'Show help and exit.'
-complete -c kvctl -n '__kvctl_at '\''chunk-stats'\''' -x -a 'start stop reset status'
+complete -c kvctl -n '__kvctl_at '\''chunk-stats'\''' -x -a 'start stop reset status top'
+complete -c kvctl -n '__kvctl_at '\''chunk-stats'\''' -l limit -r -F -d 'top: how many of each.'
+complete -c kvctl -n '__kvctl_at '\''chunk-stats'\''' -l dir -x -a '(__fish_complete_directories)' -d 'top: LMCache'\''s chunk statistics directory, read with no engine (default: the one the scheduler reports).'
 complete -c kvctl -n '__kvctl_at '\''chunk-stats'\''' -l instance -x -a '(kvctl complete-values instances (commandline -ct))' -d 'A running instance: a '\''kvctl serve --name'\'' or inventory name, or a URL (worker 0'\''s internal API, or the lmcache server'\''s HTTP API).'
 complete -c kvctl -n '__kvctl_at '\''chunk-stats'\''' -l state -r -F -d 'The state file of a '\''kvctl serve'\'' (default: the most recent one).'
 complete -c kvctl -n '__kvctl_at '\''chunk-stats'\''' -l inventory -r -F -d 'A kvctl.yaml fleet inventory (default: $KVCTL_INVENTORY, ./kvctl.yaml, ~/.config/kvctl/kvctl.yaml).'

@@ -6,6 +6,7 @@ between an engine's workers is shown and exits 6."""
 from __future__ import annotations
 
 from enum import Enum
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -27,6 +28,7 @@ class StatsAction(str, Enum):
     stop = "stop"
     reset = "reset"
     status = "status"
+    top = "top"
 
 
 SwitchArgument = Annotated[Switch, typer.Argument(help="on, off, or status (default).")]
@@ -92,16 +94,28 @@ def hot_cache(ctx: typer.Context, state: SwitchArgument = Switch.status, instanc
 
 
 def chunk_stats(ctx: typer.Context,
-                action: Annotated[StatsAction, typer.Argument(help="start, stop, reset, or status (default): the "
-                                                              "reuse summary.")] = StatsAction.status,
+                action: Annotated[StatsAction, typer.Argument(help="start, stop, reset, status (default): the "
+                                                              "reuse summary, or top: the hottest chunks and "
+                                                              "prompts.")] = StatsAction.status,
+                limit: Annotated[int, typer.Option("--limit", min=1, help="top: how many of each.")] = 20,
+                directory: Annotated[Path | None, typer.Option("--dir", help="top: LMCache's chunk statistics "
+                                                               "directory, read with no engine (default: the one "
+                                                               "the scheduler reports).", file_okay=False)] = None,
                 instance: InstanceOption = None, state_file: StateOption = None,
                 inventory: InventoryOption = None) -> None:
     """LMCache's chunk statistics (how often prompts' chunks recur), kept by vLLM's scheduler process.
 
-    Needs an engine started with enable_chunk_statistics (exit 2 and a hint otherwise).
+    Needs an engine started with enable_chunk_statistics (exit 2 and a hint otherwise). `top` needs
+    chunk_statistics_strategy: file_hash, whose files name each request's chunks (the default bloom
+    filter keeps counts only); it reads them from --dir or where the scheduler says they are.
     """
     from kvctl.core import manage
 
+    if action is StatsAction.top:
+        found = None if directory else open_one(selector(instance, state_file, inventory))
+        hottest = manage.chunk_top(found, directory, limit)
+        ctx.obj.emit(hottest.as_dict(), _top_tables(hottest))
+        return
     result = manage.chunk_stats(open_one(selector(instance, state_file, inventory)), action.value)
     if action is StatsAction.status:
         rows = [(key, value) for key, value in result.summary().items()]
@@ -109,6 +123,16 @@ def chunk_stats(ctx: typer.Context,
     else:
         tables = [f"chunk statistics: {result.answer.get('message', action.value)}"]
     ctx.obj.emit(result.as_dict(), tables)
+
+
+def _top_tables(hottest) -> list:
+    skipped = f"; {hottest.skipped_lines} unreadable lines" if hottest.skipped_lines else ""
+    caption = (f"{hottest.requests} requests, {hottest.chunk_refs} chunks, {hottest.files} files in "
+               f"{hottest.directory}{skipped}")
+    return [Table(["chunk hash", "prefix chunks", "requests", "share"],
+                  [(hot.chunk_hash, hot.chunks, hot.requests, f"{hot.requests / max(hottest.requests, 1):.0%}")
+                   for hot in table], title=title, caption=caption if table is hottest.prompts else None)
+            for title, table in (("hottest chunk prefixes", hottest.chunks), ("hottest prompts", hottest.prompts))]
 
 
 conf_app = typer.Typer(help="LMCache's settings on a running in-process engine (GET/POST /conf).",

@@ -19,6 +19,7 @@ read again on every request (checked in the 0.5.6 source), and refuses the rest.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -438,6 +439,26 @@ def chunk_stats(instance, action: str) -> ChunkStats:
                           f"{url} (worker 0's port - 1); a standalone engine has none")
         raise
     return ChunkStats(action, url, answer)
+
+
+def chunk_top(instance, directory: str | os.PathLike | None, limit: int):
+    """The hottest chunk prefixes and prompts (kvctl.core.chunk_top), from `directory` or from where the
+    instance's scheduler says its file_hash recorder writes."""
+    from kvctl.core.chunk_top import top
+
+    if directory is None:
+        answer = chunk_stats(instance, "status").answer
+        recorder = answer.get("file_hash")
+        if not isinstance(recorder, dict) or not isinstance(recorder.get("output_dir"), str):
+            raise UsageError("the hottest chunks need chunk_statistics_strategy: file_hash (the default bloom filter "
+                             "keeps counts, not chunks)", hint="set chunk_statistics_strategy: file_hash in "
+                             "lmcache.yaml and restart; kvctl chunk-stats status shows the reuse summary meanwhile")
+        directory = recorder["output_dir"]
+        if not os.path.isabs(directory):
+            raise UsageError(f"LMCache writes the chunk statistics to {directory}, relative to vLLM's working "
+                             "directory", hint="pass --dir with that directory, or set extra_config."
+                             "chunk_statistics_file_output_dir to an absolute path")
+    return top(directory, limit)
 
 
 # -- MP: tenant quotas ------------------------------------------------------------------------------

@@ -310,7 +310,7 @@ def parse_manifest(data: Any, extents: dict[str, tuple[int, int]], bad) -> Manif
         need(isinstance(entry.key, str) and parse_key(entry.key) is not None and entry.key not in seen,
              f"chunk key {str(entry.key)[:80]!r} is not an LMCache chunk key, or repeats")
         need(isinstance(entry.blake3, str) and CHECKSUM(entry.blake3) is not None, f"chunk {entry.key} has no checksum")
-        need(entry.member in extents and extents[entry.member][1] == entry.size,
+        need(isinstance(entry.member, str) and entry.member in extents and extents[entry.member][1] == entry.size,
              f"chunk {entry.key}'s data is missing or of the wrong size (the file is truncated or changed)")
         need(entry.metadata is None or (isinstance(entry.metadata, str) and _is_hex(entry.metadata)),
              f"chunk {entry.key}'s metadata is not hex")

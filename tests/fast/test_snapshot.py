@@ -165,7 +165,8 @@ def test_a_manifest_naming_no_chunk_key_or_a_missing_member_is_refused(instances
     with tarfile.open(out) as archive:
         manifest = json.load(archive.extractfile("manifest.json"))
     for change, message in ((lambda m: m["chunks"][0].update(key="../../etc/passwd"), "is not an LMCache chunk key"),
-                            (lambda m: m["chunks"][0].update(member="chunks/999999"), "data is missing")):
+                            (lambda m: m["chunks"][0].update(member="chunks/999999"), "data is missing"),
+                            (lambda m: m["chunks"][0].update(member=["chunks/000000"]), "data is missing")):
         changed = json.loads(json.dumps(manifest))
         change(changed)
         body = json.dumps(changed).encode()
