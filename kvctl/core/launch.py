@@ -51,6 +51,7 @@ QUIET_ENV = {"LMCACHE_DISABLE_BANNER": "1", "LMCACHE_TRACK_USAGE": "false", "DO_
 MP_ROUTES_ARGV = ["--server-module", json.dumps({"module_path": "kvctl_plugins.mp_routes"})]
 PORT_CHOICES = ("choose other ports: --port, --internal-api-port-start (worker r listens on start + 1 + r), --mp-port, "
                 "--mp-http-port, --coordinator-port, or those in --config's lmcache.yaml")
+COORDINATOR_METADATA = "coordinator-metadata.json"  # the coordinator's pins and quotas, beside serve's logs
 HEALTHY = {"status": "healthy"}  # what LMCache's MP server (/healthcheck) and coordinator (/healthz) answer
 
 
@@ -298,10 +299,12 @@ def build_plan(*, name: str = "default", model: str | None, mode: str = "inproce
 
 def _coordinator(server_values: dict[str, Any], port: int, env: dict[str, str], logs: Path) -> Component:
     """`lmcache coordinator` on loopback (its module entry point, in this environment), hashing prompts as
-    the server does: it computes the chunk keys of what `kvctl pin` sends it."""
+    the server does: it computes the chunk keys of what `kvctl pin` sends it. Its pins and quotas are
+    kept in a file beside the logs (--metadata-path), so they outlive a restart of the instance."""
     argv = [sys.executable, "-m", "lmcache.v1.mp_coordinator", "--host", LOOPBACK, "--port", str(port),
             "--chunk-size", str(server_values.get("chunk_size", 256)),
-            "--hash-algorithm", str(server_values.get("hash_algorithm", "blake3"))]
+            "--hash-algorithm", str(server_values.get("hash_algorithm", "blake3")),
+            "--metadata-path", str(logs.parent / COORDINATOR_METADATA)]
     return Component("lmcache-coordinator", argv, dict(env), str(logs / "lmcache-coordinator.log"),
                      [Readiness("json", f"http://{LOOPBACK}:{port}/healthz", "the LMCache coordinator", HEALTHY)])
 

@@ -4,6 +4,7 @@ import json
 import os
 import socket
 from importlib.metadata import version
+from pathlib import Path
 
 import pytest
 
@@ -52,9 +53,10 @@ def test_inprocess_plan_on_the_embedded_default(kvctl_cache):
 def test_mp_plan_starts_a_coordinator_then_the_lmcache_server():
     payload = plan("--mode", "mp", "--mp-port", "15555", "--mp-http-port", "18080", "--coordinator-port", "19300")
     coordinator, server, vllm = payload["components"]
+    pins_file = Path(vllm["log"]).parents[1] / "coordinator-metadata.json"  # beside the logs: kept across restarts
     assert coordinator["name"] == "lmcache-coordinator" and coordinator["argv"][1:] == [
         "-m", "lmcache.v1.mp_coordinator", "--host", "127.0.0.1", "--port", "19300", "--chunk-size", "256",
-        "--hash-algorithm", "blake3"]
+        "--hash-algorithm", "blake3", "--metadata-path", str(pins_file)]
     assert coordinator["ready"] == [{"kind": "json", "target": "http://127.0.0.1:19300/healthz",
                                      "label": "the LMCache coordinator", "expect": {"status": "healthy"}}]
     assert server["name"] == "lmcache-server" and "lmcache.v1.multiprocess.http_server" in server["argv"]

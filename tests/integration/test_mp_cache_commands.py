@@ -279,3 +279,30 @@ def test_doctor_reads_a_real_mp_server_and_names_a_configuration_that_would_spli
     (drift,) = [f for f in json.loads(result.stdout)["findings"] if f["check"] != "disk"]
     assert (drift["level"], drift["check"]) == ("warning", "config_drift")
     assert f"running process has {CHUNK}" in drift["what"] and f"says {CHUNK // 2}" in drift["what"] and drift["hint"]
+
+
+@pytest.mark.slow
+def test_pins_outlive_a_restart_of_the_coordinator_serve_starts(stack, tmp_path):
+    """The coordinator exactly as `kvctl serve` starts it (its --metadata-path beside the logs)."""
+    from kvctl.core.launch import _coordinator
+
+    stack.fresh()
+    pinned = tokens(90, 2 * CHUNK)
+    stack.store_all(pinned)
+    prompt = write_tokens(tmp_path / "pinned.json", pinned)
+    port = free_port()
+    component = _coordinator({"chunk_size": CHUNK}, port, {**os.environ, **STACK_ENV}, tmp_path / "logs")
+    flags = ("--model", MODEL, "--coordinator", f"http://127.0.0.1:{port}")
+    for run in ("first", "restarted"):
+        log = tmp_path / f"coordinator-{run}.log"
+        proc = start_process(component.argv, log, env=component.env)
+        try:
+            wait_until(lambda: http_json("GET", f"http://127.0.0.1:{port}/healthz"), 60, "coordinator", proc, log)
+            if run == "first":
+                result, answer = stack.kvctl("pin", "--tokens-file", prompt, *flags)
+                assert result.code == 0 and answer["affected"] == 2, result.stderr
+            _, listed = stack.kvctl("pins", *flags)
+            assert listed["pins"] == [{"key": key, "pin_count": 1} for key in native_keys(pinned)], run
+        finally:
+            stop_process(proc)
+    assert (tmp_path / "coordinator-metadata.json").exists()
