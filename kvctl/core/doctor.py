@@ -139,18 +139,28 @@ def compare_members(members: dict[str, KeyFacts]) -> list[Finding]:
     return findings
 
 
+def key_differences(first: KeyFacts, second: KeyFacts) -> list[tuple[str, Any, Any]]:
+    """(field, first's value, second's) for each key ingredient both know and that differs, in KEY_FIELDS
+    order; PYTHONHASHSEED only where both hash with it."""
+    found = []
+    for name_of_field in KEY_FIELDS:
+        mine, theirs = getattr(first, name_of_field), getattr(second, name_of_field)
+        if mine is None or theirs is None or str(mine) == str(theirs):
+            continue
+        if name_of_field == "hash_seed" and not (first.seed_matters() and second.seed_matters()):
+            continue
+        found.append((name_of_field, mine, theirs))
+    return found
+
+
 def compare_with_config(running: KeyFacts, config: KeyFacts, config_name: str, instance: str | None = None,
                         skip: frozenset[str] = frozenset()) -> list[Finding]:
     """One instance's running values against its configuration directory's files (warnings)."""
     findings = []
-    for name_of_field, (label, hint) in KEY_FIELDS.items():
+    for name_of_field, live, written in key_differences(running, config):
         if name_of_field in skip:
             continue
-        live, written = getattr(running, name_of_field), getattr(config, name_of_field)
-        if live is None or written is None or str(live) == str(written):
-            continue
-        if name_of_field == "hash_seed" and not (running.seed_matters() and config.seed_matters()):
-            continue
+        label, hint = KEY_FIELDS[name_of_field]
         findings.append(Finding("warning", "config_drift", f"{label}: the running process has {_show(live)}, "
                                 f"{config_name} says {_show(written)}",
                                 "offline lookups, evictions and every peer built from these files compute other keys "

@@ -372,25 +372,15 @@ class LoadReport:
                 "prompts": [p.as_dict() for p in self.prompts]}
 
 
-def mismatches(saved: dict[str, Any], target) -> list[tuple[str, Any, Any]]:
-    """(field, saved value, target value) for each key ingredient both know and that differ."""
-    found = []
-    for name in KEY_FIELDS:
-        mine, theirs = saved.get(name), getattr(target, name)
-        if name == "hash_seed" and not target.seed_matters():
-            continue
-        if mine is not None and theirs is not None and str(mine) != str(theirs):
-            found.append((name, mine, theirs))
-    return found
-
-
 def check_compatible(snapshot: Snapshot, instance, model: str | None) -> None:
     """Refuse a target that would make other keys: by what made the keys, then (what settles it) by the
     keys the target itself makes for each saved prompt."""
     from kvctl.core.doctor import KEY_FIELDS as LABELS
+    from kvctl.core.doctor import KeyFacts, key_differences
 
     manifest = snapshot.manifest
-    found = mismatches(manifest.keys, instance.key_facts(model))
+    saved = KeyFacts(**{name: manifest.keys[name] for name in KEY_FIELDS})
+    found = key_differences(saved, instance.key_facts(model))
     if found:
         name, mine, theirs = found[0]
         label, hint = LABELS[name]
