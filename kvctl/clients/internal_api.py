@@ -8,13 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvctl_plugins.wire import NEXT_HEADER, PREFIX
+from kvctl_plugins.wire import FRAMES_TYPE, NEXT_HEADER, PREFIX
 
 from kvctl.clients.http import HTTPClient
 
 TIMEOUT_S = 10.0
 CHUNKS_TIMEOUT_S = 300.0  # one chunk-bytes request carries up to wire.MAX_CHUNKS_BODY (256 MiB), from disk or Redis
-FRAMES_TYPE = "application/octet-stream"
 
 
 class InternalAPIClient(HTTPClient):

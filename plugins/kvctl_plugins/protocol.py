@@ -24,10 +24,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from kvctl_plugins.wire import MAX_CHUNKS_BODY, MAX_PAGE, TOKEN_VARIABLE, error_body
+from kvctl_plugins.wire import FRAMES_TYPE, MAX_CHUNKS_BODY, MAX_PAGE, TOKEN_VARIABLE, error_body
 
 MAX_BODY_BYTES = 16 * 1024 * 1024  # a 128K-token lookup is about 1 MiB of JSON
-JSON_TYPE, FRAMES_TYPE = "application/json", "application/octet-stream"
+JSON_TYPE = "application/json"
 MAX_FRAMES_BODY = MAX_CHUNKS_BODY + 16 * 1024 * 1024  # the chunk bytes and their frame headers
 MAX_TOKENS = 1024 * 1024
 MAX_TOKEN_ID = 2**31 - 1

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from kvctl_plugins import chunk_bytes, engine_ops, protocol
 from kvctl_plugins.engine_ops import PinRegistry
 from kvctl_plugins.protocol import BadRequest
-from kvctl_plugins.wire import NEXT_HEADER, PREFIX
+from kvctl_plugins.wire import FRAMES_TYPE, NEXT_HEADER, PREFIX
 
 router = APIRouter(prefix=PREFIX)
 PINS = PinRegistry()
@@ -110,7 +110,7 @@ async def read_chunks(request: Request) -> Response:
     def operation(engine, body):
         data, next_index = chunk_bytes.read_chunks(engine, body.get("keys"), _tiers(body))
         headers = {} if next_index is None else {NEXT_HEADER: str(next_index)}
-        return Response(data, media_type=protocol.FRAMES_TYPE, headers=headers)
+        return Response(data, media_type=FRAMES_TYPE, headers=headers)
 
     return await _serve(request, operation)
 

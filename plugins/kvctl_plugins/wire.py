@@ -34,6 +34,7 @@ TIER_ORDER = ("cpu", "disk", "redis")
 FRAME_LENGTH = struct.Struct(">I")
 MAX_FRAME_HEADER = 8192  # a chunk key is at most a few hundred bytes
 MAX_CHUNKS_BODY = 256 * 1024 * 1024  # the most chunk bytes one request or answer carries
+FRAMES_TYPE = "application/octet-stream"  # the media type of a body of frames, asked and answered
 NEXT_HEADER = "X-Kvctl-Next"  # a cut-short chunks/read answer: the index of the first key to ask for again
 
 
