@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from kvctl_plugins import protocol, wire
+from kvctl_plugins.disk_index import chunk_tokens, token_bytes
 from kvctl_plugins.engine_ops import backends, select_backends
 from kvctl_plugins.protocol import BadRequest
 
@@ -168,8 +169,7 @@ def _checked_frames(engine, raw: bytes, fmt) -> list[tuple[Any, memoryview, list
     if sum(len(data) for _, data, _ in frames) > wire.MAX_CHUNKS_BODY:
         raise protocol.TooLarge(f"the chunks are over {wire.MAX_CHUNKS_BODY} bytes; send them in several requests")
     chunk_size, dtypes = config.chunk_size, metadata.get_dtypes()
-    full = metadata.get_shapes(chunk_size)
-    token_bytes = sum(shape.numel() * dtype.itemsize for shape, dtype in zip(full, dtypes, strict=True)) // chunk_size
+    per_token = token_bytes(metadata, chunk_size)
     world_size = 1 if getattr(engine.token_database, "save_only_first_rank", False) else metadata.world_size
     ours = {"model": metadata.model_name, "world size": world_size, "worker id": metadata.worker_id,
             "KV dtype": TORCH_DTYPE_TO_STR_DTYPE[metadata.kv_dtype]}
@@ -184,10 +184,10 @@ def _checked_frames(engine, raw: bytes, fmt) -> list[tuple[Any, memoryview, list
         for what, value in ours.items():
             if theirs[what] != value:
                 raise BadRequest(f"{text!r} is a chunk of {what} {theirs[what]!r}; this engine's {what} is {value!r}")
-        tokens, rest = divmod(len(data), token_bytes)
-        if rest or not 0 < tokens <= chunk_size or (tokens < chunk_size and not config.save_unfull_chunk):
+        tokens = chunk_tokens(len(data), per_token, config)
+        if tokens is None:
             raise BadRequest(f"{text!r} has {len(data)} bytes: not a chunk of this engine (a whole chunk is "
-                             f"{token_bytes * chunk_size} bytes, {token_bytes} a token"
+                             f"{per_token * chunk_size} bytes, {per_token} a token"
                              f"{'' if config.save_unfull_chunk else '; save_unfull_chunk is off'})")
         shapes = metadata.get_shapes(tokens)
         if header is not None and header != remote_metadata(engine, len(data), shapes, dtypes, fmt):

@@ -39,6 +39,22 @@ def _parse_name(stem: str) -> tuple[str, int, int, str, str, tuple[str, ...]] | 
     return "@".join(parts[:-4]), int(parts[-4]), int(parts[-3]), parts[-2], parts[-1], tuple(tags)
 
 
+def token_bytes(metadata, chunk_size: int) -> int:
+    """The bytes one token of this engine's KV cache takes, over every layer group."""
+    shapes, dtypes = metadata.get_shapes(chunk_size), metadata.get_dtypes()
+    return sum(shape.numel() * dtype.itemsize for shape, dtype in zip(shapes, dtypes, strict=True)) // chunk_size
+
+
+def chunk_tokens(size: int, per_token: int, config) -> int | None:
+    """The tokens a chunk of `size` bytes holds, where it can be one this engine stores (whole tokens, at
+    most a chunk, fewer only with save_unfull_chunk); None where it cannot."""
+    tokens, remainder = divmod(size, per_token)
+    if remainder or not 0 < tokens <= config.chunk_size or (tokens < config.chunk_size
+                                                            and not config.save_unfull_chunk):
+        return None
+    return tokens
+
+
 def rebuild(backend, config, metadata) -> dict[str, Any]:
     import torch
     from lmcache.utils import TORCH_DTYPE_TO_STR_DTYPE, CacheEngineKey
@@ -55,7 +71,7 @@ def rebuild(backend, config, metadata) -> dict[str, Any]:
         report["reason"] = "several KV layer groups: not rebuilt"
         return report
     dtype = dtypes[0]
-    bytes_per_token = shapes[0].numel() // config.chunk_size * dtype.itemsize
+    bytes_per_token = token_bytes(metadata, config.chunk_size)
     fmt = MemoryFormat.KV_MLA_FMT if metadata.use_mla else MemoryFormat.KV_2LTD
     world_size = 1 if (config.get_extra_config_value("save_only_first_rank", metadata.use_mla)
                        and metadata.use_mla) else metadata.world_size
@@ -77,9 +93,8 @@ def rebuild(backend, config, metadata) -> dict[str, Any]:
             report["other_engines"] += 1
             continue
         stat = entry.stat()
-        tokens, remainder = divmod(stat.st_size, bytes_per_token)
-        if remainder or not 0 < tokens <= config.chunk_size or (tokens < config.chunk_size
-                                                                 and not config.save_unfull_chunk):
+        tokens = chunk_tokens(stat.st_size, bytes_per_token, config)
+        if tokens is None:
             _untrusted(report, entry.name, f"{stat.st_size} bytes is not a chunk of this engine")
             continue
         request_configs = {"lmcache.tag." + tag.split("%", 1)[0]: tag.split("%", 1)[1] for tag in parsed[5]} or None
