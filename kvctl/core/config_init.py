@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import os
 import re
 import secrets
 import shlex
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +33,7 @@ from kvctl.core.lmcache_config import (
     MP_HASH_ALGORITHMS,
 )
 from kvctl.core.lmcache_schema import inprocess_keys
+from kvctl.core.safe_files import write_private
 from kvctl.core.tiers import TierSpec
 
 DEFAULT_CHUNK_SIZE = 256
@@ -405,10 +404,7 @@ def write_files(files: dict[str, str], out_dir: Path, force: bool) -> list[Path]
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         for path, text in zip(targets, files.values()):
-            fd, temp = tempfile.mkstemp(dir=out_dir, prefix=f".{path.name}.")  # created 0600, never wider
-            with os.fdopen(fd, "w") as handle:
-                handle.write(text)
-            os.replace(temp, path)
+            write_private(path, text)  # created 0600, never wider
     except OSError as error:
         raise KvctlError(f"cannot write to {shown(str(out_dir), PATH_CHARS)}: {error.strerror}",
                          hint="check the directory's permissions") from None

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-from pathlib import Path
 from typing import Any
 
 from kvctl.core.errors import KvctlError
@@ -52,10 +50,8 @@ class Ledger:
         self._save()
 
     def _save(self) -> None:
-        """Written whole and renamed, readable by its owner only (it holds prompts' token ids)."""
+        """Written whole, readable by its owner only (it holds prompts' token ids)."""
+        from kvctl.core.safe_files import write_private
+
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        partial = Path(f"{self.path}.{os.getpid()}.partial")
-        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as file:
-            json.dump(self.entries, file)
-        os.replace(partial, self.path)
+        write_private(self.path, json.dumps(self.entries))

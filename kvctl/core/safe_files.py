@@ -5,8 +5,10 @@ cannot expand into a "billion laughs".
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
+import tempfile
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,21 @@ def require_regular(path: Path, info: os.stat_result | None = None,
     if not stat.S_ISREG(info.st_mode):
         kind = next((name for test, name in _KINDS if test(info.st_mode)), "not a regular file")
         raise KvctlError(f"{shown(str(path), PATH_CHARS)} is {kind}, not a regular file", hint=hint)
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write `text` to `path` whole and readable by its owner only: into a temporary file beside it
+    (created 0600 by mkstemp, never through a link), then renamed over it; gone again if that fails.
+    An OSError is the caller's to word."""
+    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
 
 
 def _check_regular(path: Path, info: os.stat_result) -> None:
