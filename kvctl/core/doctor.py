@@ -12,6 +12,7 @@ import os
 import re
 import stat
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -139,11 +140,12 @@ def compare_members(members: dict[str, KeyFacts]) -> list[Finding]:
     return findings
 
 
-def key_differences(first: KeyFacts, second: KeyFacts) -> list[tuple[str, Any, Any]]:
-    """(field, first's value, second's) for each key ingredient both know and that differs, in KEY_FIELDS
-    order; PYTHONHASHSEED only where both hash with it."""
+def key_differences(first: KeyFacts, second: KeyFacts,
+                    fields: Iterable[str] = KEY_FIELDS) -> list[tuple[str, Any, Any]]:
+    """(field, first's value, second's) for each key ingredient of `fields` both know and that differs, in
+    that order; PYTHONHASHSEED only where both hash with it."""
     found = []
-    for name_of_field in KEY_FIELDS:
+    for name_of_field in fields:
         mine, theirs = getattr(first, name_of_field), getattr(second, name_of_field)
         if mine is None or theirs is None or str(mine) == str(theirs):
             continue

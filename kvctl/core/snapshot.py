@@ -380,7 +380,7 @@ def check_compatible(snapshot: Snapshot, instance, model: str | None) -> None:
 
     manifest = snapshot.manifest
     saved = KeyFacts(**{name: manifest.keys[name] for name in KEY_FIELDS})
-    found = key_differences(saved, instance.key_facts(model))
+    found = key_differences(saved, instance.key_facts(model), KEY_FIELDS)
     if found:
         name, mine, theirs = found[0]
         label, hint = LABELS[name]
