@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import stat
 from collections.abc import Iterable, Iterator, Sequence
 from functools import cached_property
@@ -116,7 +117,8 @@ class DirectoryStore:
             if chunk.key in held:
                 continue
             name = self.file_name(chunk.key)
-            _write_whole(os.path.join(directory, name), os.path.join(directory, f".{name}.kvctl-partial"), chunk.data)
+            partial = f".{name}.{secrets.token_hex(4)}.kvctl-partial"  # one a killed load left stays out of the way
+            _write_whole(os.path.join(directory, name), os.path.join(directory, partial), chunk.data)
             written += 1
         return written, len(held)
 

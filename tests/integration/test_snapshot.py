@@ -159,3 +159,18 @@ def test_a_changed_snapshot_and_a_running_engines_disk_are_refused_with_nothing_
         refused = answer("snapshot", "load", snap, "--config", tmp_path / "f" / "cfg", *OFFLINE, code=2)
         assert f"running at {url}" in refused.stderr and f"--instance {url}" in refused.stderr
         assert not any(name.endswith(".pt") for name in os.listdir(tmp_path / "f" / "disk"))
+
+
+@pytest.mark.slow
+def test_a_partial_file_a_killed_load_left_does_not_block_the_next(node_a, tmp_path):
+    snap = tmp_path / "warm.kvsnap"
+    answer("snapshot", "save", "--instance", node_a["url"], "--tokens-file", node_a["tokens"], "-o", snap)
+    config, _ = configuration(tmp_path / "g", "cpu:0.1", f"disk:{tmp_path}/g/disk:1")
+    (tmp_path / "g" / "disk").mkdir(parents=True)
+    for key in KEYS:  # what a load killed mid-write leaves, under any name it may have used
+        (tmp_path / "g" / "disk" / f".{disk_file_name(key)}.kvctl-partial").write_bytes(b"half")
+    loaded = answer("snapshot", "load", snap, "--config", config, *OFFLINE)
+    assert loaded["written"] == {"disk": 4}
+    a_files = disk_files(node_a["root"] / "disk")
+    assert all(disk_files(tmp_path / "g" / "disk")[disk_file_name(key)] == a_files[disk_file_name(key)]
+               for key in KEYS)
