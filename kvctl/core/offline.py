@@ -94,7 +94,6 @@ class DirectoryStore:
                 gone.append(key)
         return gone
 
-
     # -- chunk bytes (snapshots; LMCache's disk layout: a file is the chunk's data alone) ------------
 
     def read(self, keys: Sequence[str]) -> Iterator[StoredChunk]:

@@ -297,7 +297,7 @@ def execute(application: Application, instance, model: str | None = None, prewar
     holds: the chunks are never unpinned in between) and pin, step by step: a step that fails carries its
     error and the others go on. With `prewarm` and an instance whose vLLM is known, an
     entry with chunks not cached is first prefilled through it (kvctl.core.prewarm)."""
-    from kvctl.core.instance import CoordinatorPin, Pin
+    from kvctl.core.instance import Pin
     from kvctl.core.pin_ledger import Ledger
 
     ledger = None if instance.pin_ids else Ledger(instance.pin_scope(), application.set)
@@ -322,16 +322,15 @@ def execute(application: Application, instance, model: str | None = None, prewar
                     step.prewarm = _prewarm(instance, step, model)
                 except KvctlError as error:  # pinned all the same: what is cached is held
                     step.prewarm = f"not prefilled: {error.message}"
-            if ledger is not None:
-                pin = instance.pin(step.tokens, None, None, model)
-            else:
-                pin = instance.pin(step.tokens, entry.ttl_s, entry.tiers, model, pin_id=step.pin_id,
-                                   replace=step.action == REFRESH)
+            if ledger is not None:  # the coordinator's pin: no id, no ttl, no tiers
+                held = instance.pin(step.tokens, None, None, model)
+                step.chunks, step.cached_chunks = held.requested, min(held.affected, held.requested)
+                ledger.record(step.pin_id, entry.label, held.model, step.tokens)
+                continue
+            pin = instance.pin(step.tokens, entry.ttl_s, entry.tiers, model, pin_id=step.pin_id,
+                               replace=step.action == REFRESH)
             if isinstance(pin, Pin):
                 step.chunks, step.cached_chunks, step.pinned = pin.chunks, _cached(pin), dict(pin.pinned)
-            elif isinstance(pin, CoordinatorPin) and ledger is not None:
-                step.chunks, step.cached_chunks = pin.requested, min(pin.affected, pin.requested)
-                ledger.record(step.pin_id, entry.label, pin.model, step.tokens)
         except KvctlError as error:
             step.error = error.message
     application.dry_run = False
