@@ -3,7 +3,8 @@
 * management routes under /kvctl/v1 on LMCache's internal API server (routes.py);
 * a CPU connector so LMCacheConnectorV1 runs on vLLM's CPU backend (cpu_connector.py);
 * a local disk tier that survives restarts: its index is rebuilt from the files at start
-  (disk_index.py).
+  (disk_index.py);
+* chunk statistics that no longer make every lookup miss (chunk_statistics.py).
 
 `install()` applies them; it is idempotent. Entry points: `kvctl_plugins.vllm_connector`
 (vLLM's kv_connector_module_path, keeping the connector name LMCacheConnectorV1) and
@@ -22,9 +23,10 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    from kvctl_plugins import cpu_connector, disk_index, routes
+    from kvctl_plugins import chunk_statistics, cpu_connector, disk_index, routes
 
     routes.install()
     cpu_connector.install()
     disk_index.install()
+    chunk_statistics.install()
     _installed = True
