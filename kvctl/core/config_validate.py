@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvctl.core import platform
-from kvctl.core.config_init import is_loopback, resp_credentials
+from kvctl.core.config_init import PLUGIN_MODULE, is_loopback, resp_credentials
 from kvctl.core.display import PATH_CHARS, shown
 from kvctl.core.errors import KvctlError, UsageError
 from kvctl.core.keys import MP_BUILTIN_UNREPRODUCIBLE
@@ -384,6 +384,12 @@ def _check_kv_transfer(config: dict[str, Any], mode: str, yaml_values: dict[str,
                 converted[key] = convert_value(key, value)
             except ConversionError as error:
                 collector.error(name, f"{name}: {error}", hint=f"{key} takes a {_type_text(schema['keys'][key])}")
+    if mode == "inprocess" and _statistics_on(yaml_values, converted) and \
+            config.get("kv_connector_module_path") != PLUGIN_MODULE:
+        collector.error("enable_chunk_statistics", "enable_chunk_statistics with the stock connector: LMCache "
+                        "0.5.6's statistics recorder resets the scheduler's first chunk hash, so every lookup misses",
+                        hint=f'add "kv_connector_module_path": "{PLUGIN_MODULE}" (kvctl\'s plugins keep the hash), '
+                        "or turn the statistics off")
     if mode == "mp" and yaml_values:
         for extra_key, yaml_key, default in (("lmcache.mp.hash_algorithm", "hash_algorithm", "blake3"),
                                              ("lmcache.mp.port", "port", 5555)):
@@ -393,6 +399,17 @@ def _check_kv_transfer(config: dict[str, Any], mode: str, yaml_values: dict[str,
                 collector.error(extra_key, f"{extra_key} is {shown(connector_value, quoted=True)} but the server's "
                                 f"{yaml_key} is {shown(server_value, quoted=True)}",
                                 hint="make them equal; vLLM cannot use the server otherwise")
+
+
+def _statistics_on(yaml_values: dict[str, Any] | None, connector_values: dict[str, Any]) -> bool:
+    """Whether the engine will build LMCache's chunk statistics (the connector's value wins over the file's)."""
+    if "enable_chunk_statistics" in connector_values:
+        return connector_values["enable_chunk_statistics"] is True
+    value = (yaml_values or {}).get("enable_chunk_statistics")
+    try:
+        return value is not None and convert_value("enable_chunk_statistics", value) is True
+    except ConversionError:
+        return False  # reported with the file's other values
 
 
 # -- environment -------------------------------------------------------------------------------

@@ -252,3 +252,22 @@ def test_mp_resp_adapters_must_share_credentials(tmp_path):
     assert result.code == 1
     assert [f["key"] for f in report["findings"]] == ["l2_adapter"]
     assert "different credentials" in report["findings"][0]["message"]
+
+
+def test_chunk_statistics_need_kvctls_connector_module(tmp_path):
+    write_yaml(tmp_path, {**GOOD, "enable_chunk_statistics": True})
+    stock = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+    (tmp_path / "kv-transfer-config.json").write_text(json.dumps(stock))
+    result, report = validate(tmp_path)
+    (finding,) = [f for f in report["findings"] if f["key"] == "enable_chunk_statistics"]
+    assert result.code == 1 and "every lookup misses" in finding["message"]
+    assert "kvctl_plugins.vllm_connector" in finding["hint"]
+    with_plugins = {**stock, "kv_connector_module_path": "kvctl_plugins.vllm_connector"}
+    (tmp_path / "kv-transfer-config.json").write_text(json.dumps(with_plugins))
+    _, report = validate(tmp_path)
+    assert not [f for f in report["findings"] if f["key"] == "enable_chunk_statistics"]
+    on_the_connector = {**stock, "kv_connector_extra_config": {"lmcache.enable_chunk_statistics": True}}
+    write_yaml(tmp_path, GOOD)
+    (tmp_path / "kv-transfer-config.json").write_text(json.dumps(on_the_connector))
+    _, report = validate(tmp_path)
+    assert [f["key"] for f in report["findings"] if f["level"] == "error"] == ["enable_chunk_statistics"]
