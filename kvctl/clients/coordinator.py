@@ -21,6 +21,9 @@ class CoordinatorClient(HTTPClient):
     def __init__(self, url: str, timeout: float = TIMEOUT_S) -> None:
         super().__init__(url, timeout)
 
+    def healthz(self) -> dict[str, Any]:
+        return self.request("GET", "/healthz")
+
     def pin(self, model: str, tokens: list[int], world_size: int = 1, cache_salt: str = "") -> dict[str, Any]:
         """{"requested": chunks, "affected": keys, "status": "pinned"}; pins count, one unpin undoes one pin."""
         return self.request("POST", "/cache/pins", _body(model, tokens, world_size, cache_salt))

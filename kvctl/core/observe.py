@@ -21,7 +21,7 @@ HEALTH_TIMEOUT_S = 5.0
 
 @dataclass
 class Check:
-    component: str  # "vllm", "internal_api[1]", "offload", "mp_server", "redis", "disk"
+    component: str  # "vllm", "internal_api[1]", "offload", "mp_server", "coordinator", "redis", "disk"
     target: str  # URL, socket or path
     ok: bool
     latency_ms: float | None
@@ -201,7 +201,8 @@ def checks_as_dicts(checks: list[Check]) -> list[dict[str, Any]]:
 
 def instance_health(instance, shared_redis: str | None = None) -> list[Check]:
     """One check per component of an instance: vLLM, each internal API server, the offload socket,
-    the MP server, and the disk and Redis tiers of its configuration."""
+    the MP server and its coordinator, and the disk and Redis tiers of its configuration."""
+    from kvctl.clients.coordinator import CoordinatorClient
     from kvctl.clients.internal_api import InternalAPIClient
     from kvctl.clients.mp_server import MPServerClient
     from kvctl.clients.offload import OffloadClient
@@ -223,6 +224,10 @@ def instance_health(instance, shared_redis: str | None = None) -> list[Check]:
     if instance.mp_http:
         checks.append(probe("mp_server", instance.mp_http, lambda: _call(
             MPServerClient(instance.mp_http, HEALTH_TIMEOUT_S), MPServerClient.healthcheck)))
+    coordinator = _coordinator(instance)
+    if coordinator:
+        checks.append(probe("coordinator", coordinator, lambda: _call(
+            CoordinatorClient(coordinator, HEALTH_TIMEOUT_S), CoordinatorClient.healthz)))
     for store in _stores(instance, shared_redis):
         if store.tier == "disk":
             for directory in store.directories:
@@ -230,6 +235,18 @@ def instance_health(instance, shared_redis: str | None = None) -> list[Check]:
         elif store.redis is not None:
             checks.append(probe("redis", store.redis.url(redact=True), lambda store=store: redis_ping(store.redis)))
     return checks
+
+
+def _coordinator(instance) -> str | None:
+    """The coordinator an MP instance's pins go to, as `kvctl pin` finds it (None: it has none)."""
+    from kvctl.core.mp_cache import coordinator_url
+
+    if instance.mode != "mp":
+        return None
+    try:
+        return coordinator_url(None, instance.config_dir, instance.coordinator)
+    except KvctlError:
+        return None  # an unreadable configuration is the disk check's to report
 
 
 def _call(client, use):

@@ -158,7 +158,7 @@ def test_serve_mp_prewarm_lookup(tmp_path):
         assert status["storage_manager"]["l1_managers"]["_default"]["total_object_count"] >= entry["chunks"]
         health = json.loads(serve.kvctl("health", "--format", "json").stdout)
         checks = {check["component"]: check["ok"] for check in health["instances"][0]["checks"]}
-        assert checks == {"vllm": True, "mp_server": True, "disk": True}
+        assert checks == {"vllm": True, "mp_server": True, "coordinator": True, "disk": True}
         stats = serve.kvctl("stats", "--format", "json")
         assert stats.code == 0, stats.stderr
         lmcache = json.loads(stats.stdout)["instances"][0]["lmcache"]

@@ -205,6 +205,9 @@ def test_pins_go_through_the_coordinator_and_hold_l2_chunks(stack, tmp_path, mon
 
     _, listed = named("pins")
     assert listed["pins"] == [{"key": key, "pin_count": 1} for key in native_keys(pinned)]
+    _, health = named("health")
+    checks = {check["component"]: (check["target"], check["ok"]) for check in health["instances"][0]["checks"]}
+    assert checks["coordinator"] == (stack.coordinator, True) and checks["mp_server"] == (stack.http, True)
 
     _, plan = named("evict", "--all", "--tier", "disk", "--tier", "redis", "--dry-run")
     assert plan["removed"] == {"disk": 2, "redis": 2} and plan["skipped_pinned"] == {"disk": 2, "redis": 2}
