@@ -47,6 +47,8 @@ LOOPBACK = "127.0.0.1"
 QUIET_ENV = {"LMCACHE_DISABLE_BANNER": "1", "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1",
              "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
+
 # kvctl's /kvctl/v1 routes on the MP server's HTTP app, through the server's own extension flag.
 MP_ROUTES_ARGV = ["--server-module", json.dumps({"module_path": "kvctl_plugins.mp_routes"})]
 PORT_CHOICES = ("choose other ports: --port, --internal-api-port-start (worker r listens on start + 1 + r), --mp-port, "
@@ -245,7 +247,7 @@ def build_plan(*, name: str = "default", model: str | None, mode: str = "inproce
         raise UsageError("--coordinator is for MP mode: the LMCache coordinator works with 'lmcache server'",
                          hint="drop --coordinator, or serve with --mode mp")
     logs = base / "logs"
-    env = {**QUIET_ENV, "PYTHONHASHSEED": env_file.get("PYTHONHASHSEED", "0")}
+    env = {**QUIET_ENV, **loopback_bypasses_proxies(os.environ), "PYTHONHASHSEED": env_file.get("PYTHONHASHSEED", "0")}
     components, ports = [], [PortUse(port, host, "vLLM")]
     vllm_url = f"http://{url_host(host)}:{port}"
     endpoints: dict[str, Any] = {"openai": f"{vllm_url}/v1", "vllm": vllm_url}
@@ -295,6 +297,16 @@ def build_plan(*, name: str = "default", model: str | None, mode: str = "inproce
     inherited = sorted(name for name in os.environ if name.startswith("LMCACHE_") and name not in QUIET_ENV)
     return LaunchPlan(name, mode, model, str(config.absolute()), str(state_file or default_state_file()),
                       components, endpoints, ports, [] if keep_lmcache_env else inherited)
+
+
+def loopback_bypasses_proxies(environ) -> dict[str, str]:
+    """NO_PROXY (both spellings) with the loopback names added: the children talk to each other on
+    127.0.0.1 through clients that honour HTTP_PROXY (the MP server registers with the coordinator and
+    sends it events through httpx), and an operator's proxy would swallow those requests."""
+    present = [entry.strip() for entry in (environ.get("NO_PROXY") or environ.get("no_proxy") or "").split(",")
+               if entry.strip()]
+    merged = ",".join(present + [name for name in LOOPBACK_NAMES if name not in present])
+    return {"NO_PROXY": merged, "no_proxy": merged}
 
 
 def _coordinator(server_values: dict[str, Any], port: int, env: dict[str, str], logs: Path) -> Component:

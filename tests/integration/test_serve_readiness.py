@@ -1,7 +1,8 @@
 """How `kvctl serve` waits, with real processes and no vLLM: readiness that proves it talks to the component
 (a server answering 200 to everything is not vLLM, LMCache or its coordinator; a proxy from the environment
 is never used), a child that logs a fatal line reported within seconds, and inherited LMCACHE_* variables
-kept from the children (`kvctl serve --mode mp` up to its first child, the coordinator)."""
+kept from the children (`kvctl serve --mode mp` up to its first child, the coordinator), and an
+operator's proxy kept out of what the children say to each other on loopback."""
 
 import os
 import signal
@@ -121,3 +122,38 @@ def test_inherited_lmcache_variables_never_reach_the_children_unless_kept(tmp_pa
     else:
         assert "LMCACHE_CHUNK_SIZE" not in environ and "LMCACHE_COORDINATOR_URL" not in environ
         assert notice in stderr.read_text().splitlines()
+
+
+@pytest.mark.slow
+def test_the_mp_server_registers_with_its_coordinator_past_an_operators_proxy(tmp_path, monkeypatch):
+    """The MP server reaches the coordinator through httpx, which honours HTTP_PROXY: serve's children get
+    the loopback names in NO_PROXY, so registration reaches the coordinator, not the proxy."""
+    import httpx
+
+    from tests.helpers import start_process, stop_process
+
+    with proxy_answering_200(monkeypatch) as proxied:
+        monkeypatch.setenv("NO_PROXY", "corp.example")  # the operator's own exceptions stay
+        coordinator_port = free_port()
+        plan = build_plan(model="tiny", mode="mp", tiers=[], config=None, mp_port=free_port(),
+                          mp_http_port=free_port(), coordinator_port=coordinator_port, write=False)
+        environ = {name: value for name, value in os.environ.items() if name not in plan.unset_env}
+        started = []
+        try:
+            for component in plan.components[:2]:  # the coordinator, then the MP server (no vLLM)
+                assert component.env["NO_PROXY"] == "corp.example,127.0.0.1,localhost,::1"
+                log = tmp_path / f"{component.name}.log"
+                started.append(start_process(component.argv, log, env={**environ, **component.env}))
+            coordinator = f"http://127.0.0.1:{coordinator_port}"
+
+            def registered():
+                return httpx.get(f"{coordinator}/instances", timeout=10, trust_env=False).json()["instances"]
+
+            (server,) = wait_until(registered, 90, "the MP server registered", started[-1],
+                                   tmp_path / "lmcache-server.log")
+            served_at = int(plan.endpoints["mp_http"].rsplit(":", 1)[1])
+            assert (server["ip"], server["http_port"]) == ("127.0.0.1", served_at)
+        finally:
+            for proc in started:
+                stop_process(proc)
+    assert proxied == []
