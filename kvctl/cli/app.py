@@ -56,6 +56,10 @@ COMMANDS: list[tuple[str, str, str, bool, str]] = [
      "kept by vLLM's scheduler process."),
     ("quota", "manage_backends", "quota_app", True, "An MP server's soft per-cache_salt quotas (its L2 IsolatedLRU "
      "eviction)."),
+    ("reconfigure", "mp_admin", "app", True, "An MP server's storage at runtime: add, remove and resize Device-DAX "
+     "devices (L2 adapter, L1 arenas)."),
+    ("checksums", "mp_admin", "checksums", False, "MD5 per chunk of the KV cache blocks a worker registered with an "
+     "MP server holds."),
     ("doctor", "doctor", "doctor", False, "Why would this deployment miss? What splits keys, overrides files, "
      "wastes tiers or exposes routes."),
     ("version", "version", "version", False, "Show the versions of kvctl, LMCache, vLLM, torch and Python, and "

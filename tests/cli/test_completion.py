@@ -21,8 +21,8 @@ def test_checked_in_scripts_are_up_to_date(shell):
 
 # every command a user sees, in the order kvctl --help lists them
 TOP_COMMANDS = ["serve", "prewarm", "lookup", "keys", "ls", "unpin", "pins", "evict", "health", "stats", "top",
-                "freeze", "hot-cache", "chunk-stats", "doctor", "version", "config", "pin", "snapshot", "backends",
-                "conf", "quota", "model", "completion"]
+                "freeze", "hot-cache", "chunk-stats", "checksums", "doctor", "version", "config", "pin", "snapshot",
+                "backends", "conf", "quota", "reconfigure", "model", "completion"]
 
 def bash_complete(*words, path=None, env=None, cwd=None):
     line = " ".join(f"'{word}'" for word in words)
