@@ -10,6 +10,7 @@ import typer
 
 from kvctl.cli import completion
 from kvctl.cli.options import OutputFormat
+from kvctl.core.display import cut_long_words
 from kvctl.core.errors import EXIT_CODE_MEANINGS, ExitCode, KvctlError
 from kvctl.output import Output
 
@@ -181,7 +182,7 @@ def run(argv: list[str]) -> int:
         if _is_click_exception(error):
             context = getattr(error, "ctx", None)
             path = context.command_path if context is not None else "kvctl"
-            errors.error(error.format_message(), hint=f"see '{path} --help'")
+            errors.error(cut_long_words(error.format_message()), hint=f"see '{path} --help'")
             return error.exit_code
         if debug:
             traceback.print_exc()

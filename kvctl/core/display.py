@@ -49,6 +49,14 @@ def escape_controls(text: str, keep_lines: bool = False) -> str:
                    else char.encode("unicode_escape").decode("ascii") for char in text)
 
 
+def cut_long_words(message: str, limit: int = SHOWN_CHARS) -> str:
+    """A message composed elsewhere (Click's usage errors) with each run of non-space characters
+    longer than `limit` cut with an ellipsis: a pasted prompt as an option value stays one line."""
+    import re
+
+    return re.sub(rf"\S{{{limit + 1},}}", lambda long: long.group()[:limit - 1] + "…", message)
+
+
 def shown(value: Any, limit: int = SHOWN_CHARS, quoted: bool = False) -> str:
     """`value` (its repr unless a plain string, or with `quoted`) for a message: passwords redacted,
     control characters escaped, at most `limit` characters (cut with an ellipsis)."""

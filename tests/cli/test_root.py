@@ -48,6 +48,15 @@ def test_bad_value_is_a_usage_error():
     assert result.code == ExitCode.USAGE and "sideways" in result.stderr
 
 
+def test_a_pasted_or_hostile_value_in_a_usage_error_is_cut_and_escaped():
+    pasted = "x" * 5000
+    result = run_cli("ls", "--tier", pasted)
+    assert result.code == ExitCode.USAGE and len(result.stderr) < 400 and "x" * 70 in result.stderr
+    assert "x" * 80 not in result.stderr and "…" in result.stderr
+    hostile = run_cli("ls", "--\x1b]52;c;evil\x07")
+    assert hostile.code == ExitCode.USAGE and "\x1b" not in hostile.stderr and "\\x1b]52" in hostile.stderr
+
+
 def test_domain_error_has_no_traceback_unless_debug(tmp_path):
     missing = tmp_path / "nope.yaml"
     plain = run_kvctl("config", "validate", missing)
