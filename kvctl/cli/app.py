@@ -7,6 +7,7 @@ import traceback
 from typing import Annotated
 
 import typer
+from typer.core import TyperGroup
 
 from kvctl.cli import completion
 from kvctl.cli.options import OutputFormat
@@ -40,8 +41,8 @@ COMMANDS: list[tuple[str, str, str, bool, str]] = [
      "instance or configuration."),
     ("evict", "evict", "evict", False, "Remove chunks from the CPU, disk and Redis tiers: a prompt's, given keys, or "
      "a whole tier."),
-    ("health", "observe", "health", False, "Check every component (vLLM, internal API servers, offload socket, MP "
-     "server, Redis, disk) with latency."),
+    ("health", "observe", "health", False, "Check every component (vLLM, LMCache APIs, offload socket, MP server, "
+     "coordinator, Redis, disk) and its latency."),
     ("stats", "observe", "stats", False, "Hit rates, usage vs capacity per tier, evictions and pins, from the "
      "servers' /metrics."),
     ("top", "observe", "top", False, "A live view of health and stats that redraws in place (Ctrl-C to leave); "
@@ -71,6 +72,14 @@ COMMANDS: list[tuple[str, str, str, bool, str]] = [
 SETTINGS = {"serve": {"context_settings": {"allow_extra_args": True, "ignore_unknown_options": True}}}
 
 
+class InListedOrder(TyperGroup):
+    """The commands in COMMANDS' order, in the help and in completion (Typer lists groups last)."""
+
+    def list_commands(self, ctx) -> list[str]:
+        order = {name: index for index, (name, *_) in enumerate(COMMANDS)}
+        return sorted(super().list_commands(ctx), key=lambda name: order.get(name, len(order)))
+
+
 def build_app(only: str | None = None, everything: bool = False) -> typer.Typer:
     """The root app with every command real (`everything`), or only `only` real and the others as
     summaries for the root help."""
@@ -78,6 +87,7 @@ def build_app(only: str | None = None, everything: bool = False) -> typer.Typer:
 
     app = typer.Typer(
         name="kvctl",
+        cls=InListedOrder,
         help="Operate the KV cache of vLLM + LMCache: configure, serve, prewarm, and see which chunks are cached "
         "where.",
         epilog=EPILOG,

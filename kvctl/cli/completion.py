@@ -57,17 +57,23 @@ def command_specs():
         if path:
             options += shared
         options.append(help_spec)
-        subcommands = {name: sub.get_short_help_str(limit=70) for name, sub in getattr(command, "commands", {}).items()
-                       if not sub.hidden}
+        listed = _listed(command)
+        subcommands = {name: sub.get_short_help_str(limit=70) for name, sub in listed.items()}
         argument = next((option_spec(p) for p in command.params if p.param_type_name == "argument"), None)
         specs.append(CommandSpec(path, command.help.split("\n")[0] if command.help else "", options, subcommands,
                                  argument))
-        for name, sub in getattr(command, "commands", {}).items():
-            if not sub.hidden:
-                walk(sub, f"{path} {name}".strip())
+        for name, sub in listed.items():
+            walk(sub, f"{path} {name}".strip())
 
     walk(root, "")
     return specs
+
+
+def _listed(command) -> dict:
+    """A group's visible subcommands in the order its help lists them."""
+    if not hasattr(command, "list_commands"):
+        return {}
+    return {name: command.commands[name] for name in command.list_commands(None) if not command.commands[name].hidden}
 
 
 def render(shell: str) -> str:

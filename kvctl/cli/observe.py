@@ -15,7 +15,7 @@ from kvctl.output import Table
 
 def health(ctx: typer.Context, instance: FleetInstance = None, state: StateOption = None,
            inventory: InventoryOption = None, timeout: TimeoutOption = 10.0) -> None:
-    """Check every component (vLLM, internal API servers, offload socket, MP server, Redis, disk) with latency.
+    """Check every component (vLLM, LMCache APIs, offload socket, MP server, coordinator, Redis, disk) and its latency.
 
     Exit code for probes: 0 all healthy, 3 nothing answers, 6 some components down.
     """
