@@ -61,11 +61,11 @@ def top(directory: str | os.PathLike, limit: int) -> ChunkTop:
     prompts: dict[str, Hot] = {}
     result = ChunkTop(str(root), 0, 0, 0)
     for path in sorted(root.glob(FILE_GLOB)):
-        lines = _lines(path)
-        if lines is None:
+        file = _open_regular(path)
+        if file is None:
             continue
         result.files += 1
-        for line in lines:
+        for line in _lines(file, path):
             record = _record(line)
             if record is None:
                 result.skipped_lines += 1
@@ -98,16 +98,34 @@ def _count(table: dict[str, Hot], chunk_hash: str, chunks: int, seen: float) -> 
         hot.last_seen = max(hot.last_seen, seen)
 
 
-def _lines(path: Path):
-    """The file's lines, or None for what is not a regular file (a FIFO is never opened for reading)."""
+def _open_regular(path: Path):
+    """The file open for reading, or None for what is not a regular file (a FIFO is never opened for
+    reading, and one swapped in after the check is found on the open descriptor)."""
     try:
         if not stat.S_ISREG(path.lstat().st_mode):
             return None
-        with open(path, "rb") as file:
-            return list(iter(lambda: file.readline(MAX_LINE), b""))
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as error:
-        raise KvctlError(f"cannot read {path}: {error.strerror}",
-                         hint="run kvctl as a user that can read LMCache's chunk statistics files") from None
+        raise _unreadable(path, error) from None
+    file = os.fdopen(fd, "rb")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        file.close()
+        return None
+    return file
+
+
+def _lines(file, path: Path):
+    """The file's lines one at a time (LMCache lets each file grow to 100 MB), then the file closed."""
+    with file:
+        try:
+            yield from iter(lambda: file.readline(MAX_LINE), b"")
+        except OSError as error:
+            raise _unreadable(path, error) from None
+
+
+def _unreadable(path: Path, error: OSError) -> KvctlError:
+    return KvctlError(f"cannot read {path}: {error.strerror}",
+                      hint="run kvctl as a user that can read LMCache's chunk statistics files")
 
 
 def _record(line: bytes) -> tuple[float, list[str]] | None:
