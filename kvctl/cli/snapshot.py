@@ -97,8 +97,9 @@ def load(
     """Load a snapshot: refuse a target that would make other keys, verify every checksum, then write.
 
     Through a running engine (--instance) the chunks go into its tiers, so its index and accounting
-    stay exact; into a configuration (--config, no engine running) they are written to its disk
-    directory or Redis directly. Nothing is written unless every check passes. Per saved prompt: the
+    stay exact (an MP server: into its L1, which its store policy copies on to L2); into a
+    configuration (--config, no engine running) they are written to its disk directory or Redis
+    directly. Nothing is written unless every check passes. Per saved prompt: the
     chunks now cached and the tokens a request would be served from the cache.
     """
     from kvctl.core import snapshot
@@ -129,6 +130,7 @@ def list_snapshot(ctx: typer.Context, file: SnapshotFile) -> None:
     facts = [(name, summary["keys"][name]) for name in snapshot.KEY_FIELDS]
     facts += [(f"{name} version", value) for name, value in summary["versions"].items()]
     facts += [("source", f"{summary['source'].get('instance')} ({summary['source'].get('kind')})"),
+              (snapshot.KEY_FORMAT, summary["source"].get(snapshot.KEY_FORMAT, "chunk")),
               ("chunks", f"{summary['chunks']} ({_mib(summary['bytes'])})"), ("missing when saved", summary["missing"])]
     rows = [(p["source"], p["tokens"], f"{p['saved']}/{p['chunks']}") for p in summary["prompts"]]
     ctx.obj.emit(summary, [Table(["field", "value"], facts, title=str(file)),

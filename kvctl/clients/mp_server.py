@@ -72,6 +72,29 @@ class MPServerClient(HTTPClient):
     def delete_quota(self, salt: str) -> dict[str, Any]:
         return self.request("DELETE", f"/quota/{_segment(salt)}")
 
+    def reconfigure_status(self, backend: str) -> dict[str, Any]:
+        """{"enabled", "backend", "num_adapters", "adapters": [{"adapter_index", "status": {"devices": […]}}]}."""
+        return self.request("GET", f"/reconfigure/{_segment(backend)}/l2/status")
+
+    def l1_dax_status(self) -> dict[str, Any]:
+        """{"arenas": [{"device_path", "size_in_bytes", "used_bytes", "state", …}]}; 409 when L1 is not DAX."""
+        return self.request("GET", "/reconfigure/dax/l1/status")
+
+    @staticmethod
+    def reconfigure_path(backend: str, tier: str, operation: str) -> str:
+        """/reconfigure/{backend}/{tier}/{operation} (tier l2, or l1 for Device-DAX L1)."""
+        return f"/reconfigure/{_segment(backend)}/{tier}/{_segment(operation)}"
+
+    def reconfigure(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST a reconfigure_path: add, remove or resize a device at runtime."""
+        return self.request("POST", path, body)
+
+    def checksums(self, block_ids: list[int], chunk_size: int, instance_id: int = 0,
+                  layerwise: bool = False) -> dict[str, Any]:
+        """MD5 per `chunk_size` blocks of a registered worker's KV cache (per layer with `layerwise`)."""
+        return self.request("POST", "/cache/checksums", {"block_ids": block_ids, "chunk_size": chunk_size,
+                                                         "instance_id": instance_id, "layerwise": layerwise})
+
     # -- kvctl routes --------------------------------------------------------------------------------
 
     def info(self) -> dict[str, Any]:
@@ -87,6 +110,28 @@ class MPServerClient(HTTPClient):
         """Which chunks L1 holds, per chunk with its keys (every object group and rank)."""
         body = {"tokens": tokens, "model": model, "world_size": world_size, "cache_salt": cache_salt}
         return self.request("POST", f"{PREFIX}/lookup", {k: v for k, v in body.items() if v})
+
+    def read_chunks(self, keys: list[str]) -> tuple[bytes, list[str]]:
+        """(a body of frames for those of `keys` (native object keys) L1 holds; the keys still to ask
+        for when the answer stopped at its size cap: empty when done)."""
+        from kvctl_plugins.wire import NEXT_HEADER
+
+        from kvctl.clients.internal_api import CHUNKS_TIMEOUT_S
+
+        response = self.send("POST", f"{PREFIX}/chunks/read", json={"keys": keys}, timeout=CHUNKS_TIMEOUT_S)
+        next_index = response.headers.get(NEXT_HEADER)
+        return response.content, [] if next_index is None else keys[int(next_index):]
+
+    def write_chunks(self, body: bytes) -> dict[str, Any]:
+        """Store a body of frames into L1: {"written", "already", "dropped"}, each {"cpu": objects}. Any
+        frame the server cannot take: RejectedError, and nothing of this body is written."""
+        from kvctl_plugins.wire import FRAMES_TYPE
+
+        from kvctl.clients.internal_api import CHUNKS_TIMEOUT_S
+
+        response = self.send("POST", f"{PREFIX}/chunks/write", content=body, headers={"Content-Type": FRAMES_TYPE},
+                             timeout=CHUNKS_TIMEOUT_S)
+        return response.json()
 
 
 def _segment(text: str) -> str:

@@ -8,7 +8,7 @@ worker 0's port + r. A chunk counts once per rank it was taken from, as its keys
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
@@ -156,18 +156,24 @@ def _batches(keys: list[str], size: int = ROUTE_BATCH) -> Iterator[list[str]]:
 
 def read_chunks(worker0: str, keys: Iterable[str]) -> Iterator:
     """StoredChunks of those of `keys` the engine holds, each asked of the worker of its rank (a key of a
-    rank beyond the world size is held by none), READ_BATCH keys a request; a worker's answer that
-    stopped at the routes' byte cap is asked again for the rest."""
-    from kvctl.core.instance import StoredChunk
-
+    rank beyond the world size is held by none)."""
     keys = given_chunk_keys(list(keys))
     with open_workers(worker0) as (workers, _info):
         for rank, worker in enumerate(workers):
-            for batch in _batches(_of_rank(keys, rank), READ_BATCH):
-                while batch:
-                    body, batch = worker.read_chunks(batch)
-                    for key, data, metadata in _frames(body, worker.url):
-                        yield StoredChunk(key, data, metadata)
+            yield from client_chunks(worker, _of_rank(keys, rank))
+
+
+def client_chunks(client, keys: list[str]) -> Iterator:
+    """StoredChunks of those of `keys` a server's chunks/read route answers (a worker's, the MP
+    server's), READ_BATCH keys a request; an answer that stopped at the routes' byte cap is asked again
+    for the rest."""
+    from kvctl.core.instance import StoredChunk
+
+    for batch in _batches(keys, READ_BATCH):
+        while batch:
+            body, batch = client.read_chunks(batch)
+            for key, data, metadata in _frames(body, client.url):
+                yield StoredChunk(key, data, metadata)
 
 
 def _frames(body: bytes, url: str) -> list:
@@ -187,28 +193,37 @@ def write_chunks(worker0: str, chunks: Iterable, tier: str | None) -> dict[str, 
     its key's rank, at most WRITE_BATCH_BYTES of chunk bytes a request; the routes' counts summed over
     requests: {"written", "already", "dropped"}, each {tier: chunks}. A request the engine refuses
     raises, and writes nothing of its own; the requests before it stay written."""
+    with open_workers(worker0) as (workers, _info):
+        return batched_writes(chunks, lambda rank, body: workers[rank].write_chunks(body, [tier] if tier else None),
+                              lambda chunk: _rank_of(chunk.key, len(workers)))
+
+
+def batched_writes(chunks: Iterable, write: Callable[[Any, bytes], dict[str, Any]],
+                   destination: Callable[[Any], Any] = lambda _chunk: None) -> dict[str, dict[str, int]]:
+    """Send StoredChunks to write(destination, body of frames), at most WRITE_BATCH_BYTES of chunk bytes
+    a body per destination (a larger chunk goes alone); the answers' counts summed: {"written",
+    "already", "dropped"}, each {tier: chunks}."""
     from kvctl_plugins.wire import frame_header
 
     totals: dict[str, dict[str, int]] = {"written": {}, "already": {}, "dropped": {}}
-    with open_workers(worker0) as (workers, _info):
-        pending: dict[int, tuple[list, int]] = {}  # rank -> (frame parts, chunk bytes)
+    pending: dict[Any, tuple[list, int]] = {}  # destination -> (frame parts, chunk bytes)
 
-        def send(rank: int) -> None:
-            parts, _size = pending.pop(rank)
-            answer = workers[rank].write_chunks(b"".join(parts), [tier] if tier else None)
-            for field, counts in totals.items():
-                for name, count in answer.get(field, {}).items():
-                    counts[name] = counts.get(name, 0) + count
+    def send(to) -> None:
+        parts, _size = pending.pop(to)
+        answer = write(to, b"".join(parts))
+        for field, counts in totals.items():
+            for name, count in answer.get(field, {}).items():
+                counts[name] = counts.get(name, 0) + count
 
-        for chunk in chunks:
-            rank = _rank_of(chunk.key, len(workers))
-            if rank in pending and pending[rank][1] + len(chunk.data) > WRITE_BATCH_BYTES:
-                send(rank)
-            parts, size = pending.get(rank, ([], 0))
-            parts += [frame_header(chunk.key, len(chunk.data), chunk.metadata), chunk.data]
-            pending[rank] = (parts, size + len(chunk.data))
-        for rank in list(pending):
-            send(rank)
+    for chunk in chunks:
+        to = destination(chunk)
+        if to in pending and pending[to][1] + len(chunk.data) > WRITE_BATCH_BYTES:
+            send(to)
+        parts, size = pending.get(to, ([], 0))
+        parts += [frame_header(chunk.key, len(chunk.data), chunk.metadata), chunk.data]
+        pending[to] = (parts, size + len(chunk.data))
+    for to in list(pending):
+        send(to)
     return totals
 
 

@@ -20,6 +20,8 @@ from kvctl.core.target import Store
 
 ADAPTER_TYPES = {"mp-fs": "fs", "mp-resp": "resp"}
 DELETE_BATCH = 10_000  # the most keys DELETE /cache/objects takes at once
+UNLISTED_L2 = ("the MP server's L2 tiers were not {what}: its configuration is unknown (pass --config with its "
+               "'kvctl config init' directory)")
 NO_COORDINATOR = "pins are not supported in MP mode without an LMCache coordinator"
 COORDINATOR_HINT = ("start 'lmcache coordinator' and pass --coordinator URL, or set 'coordinator: URL' in "
                     "kvctl.yaml")
@@ -190,18 +192,36 @@ class MPInstance:
     settle_s = 10.0  # the server writes L2 after answering: a report waits this long for every tier
 
     def lookup(self, tokens: list[int], model: str | None = None):
-        """The L2 stores of the server's configuration read directly, joined by its L1 answer."""
+        """The L2 stores of the server's configuration read directly, joined by its L1 answer; L1 alone,
+        and said so, when the configuration is unknown (as `list` does)."""
         from kvctl.core.lookup import read_tiers
         from kvctl.core.target import MP_L1_UNCHECKED, target_from_config
 
         if not self.address.config_dir:
-            raise UsageError(f"{self.address.mp_http} is an LMCache MP server: its lookup joins the L2 tiers of its "
-                             "configuration", hint="pass --config with the server's configuration directory too")
+            self.notes = [UNLISTED_L2.format(what="looked up")]
+            return self._l1_lookup(tokens, model)
         chosen = self.selector
         target = target_from_config(self.address.config_dir, model or chosen.model or self.address.model,
                                     chosen.kv_dtype, chosen.world_size, chosen.hash_seed)
         self.notes = [note for note in target.notes if note != MP_L1_UNCHECKED]
         return read_tiers(tokens, target, self.address.mp_http)
+
+    def _l1_lookup(self, tokens: list[int], model: str | None):
+        """The server's own answer for its L1: its keys (every object group and rank), resident or not."""
+        from kvctl_plugins.wire import hit_tokens
+
+        from kvctl.clients.mp_server import MPServerClient
+        from kvctl.core.lookup import Chunk, LookupResult
+
+        with MPServerClient(self.address.mp_http) as server:
+            name, world_size = registered_model(server, model or self.selector.model or self.address.model)
+            answer = server.lookup(tokens, name, world_size)
+        chunks = [Chunk(chunk["index"], chunk["start"], chunk["end"],
+                        ObjectKey.from_encoded(chunk["keys"][0]).native_key(), list(chunk["tiers"]))
+                  for chunk in answer["chunks"]]
+        presence = {"cpu": [bool(chunk.tiers) for chunk in chunks]}
+        return LookupResult(name, "mp", answer["chunk_size"], len(tokens), chunks,
+                            hit_tokens(presence, [chunk.end - chunk.start for chunk in chunks]), ["cpu"])
 
     def list(self, tiers, model: str | None, limit: int):
         from kvctl.core.listing import collect, config_stores, from_mp_l1, selected, store_listers
@@ -210,8 +230,7 @@ class MPInstance:
         listers = {"cpu": lambda: from_mp_l1(url, limit, model)} if selected("cpu", tiers) else {}
         listing = collect({**listers, **store_listers(config_stores(config_dir), tiers, limit, model)})
         if not config_dir:
-            listing.notes.append("the MP server's L2 tiers were not listed: its configuration is unknown (pass "
-                                 "--config with its 'kvctl config init' directory)")
+            listing.notes.append(UNLISTED_L2.format(what="listed"))
         return listing
 
     def _coordinator(self, required: bool = True) -> str | None:
@@ -281,17 +300,49 @@ class MPInstance:
         raise Unsupported("--from-tier needs an in-process instance with kvctl's routes",
                           hint="MP mode prefetches on its own when vLLM looks a prompt up; use plain prewarm there")
 
+    # -- snapshots: L1's objects through kvctl's MP routes, under their native keys ----------------
+
+    key_format = "mp-object"  # a snapshot's keys: ObjectKey.native_key(), not in-process chunk keys
+
     def key_facts(self, model: str | None = None):
-        return self._no_snapshots()
+        """What the server makes keys with (/status, and the model and world size vLLM registered);
+        KV dtype is in no MP key, so None, as is a model the server cannot name."""
+        from kvctl.clients.mp_server import MPServerClient
+        from kvctl.core.doctor import read_running
+
+        facts = read_running(self.address).facts
+        with MPServerClient(self.address.mp_http) as server:
+            models = {entry["model"]: entry["world_size"] for entry in server.info()["models"]}
+        name = model or self.selector.model or self.address.model or (next(iter(models)) if len(models) == 1
+                                                                       else None)
+        facts.model, facts.world_size, facts.kv_dtype = name, models.get(name), None
+        return facts
+
+    def prompt_keys(self, tokens: list[int], model: str | None = None) -> list[str]:
+        """The object keys the server makes for a prompt, chunk by chunk: every object group's and rank's."""
+        from kvctl.clients.mp_server import MPServerClient
+
+        with MPServerClient(self.address.mp_http) as server:
+            name, world_size = registered_model(server, model or self.selector.model or self.address.model)
+            answer = server.lookup(tokens, name, world_size)
+        return [ObjectKey.from_encoded(key).native_key() for chunk in answer["chunks"] for key in chunk["keys"]]
 
     def read_chunks(self, keys):
-        return self._no_snapshots()
+        from kvctl.clients.mp_server import MPServerClient
+        from kvctl.core.inprocess import client_chunks
 
-    def write_chunks(self, chunks, tier: str | None = None):
-        return self._no_snapshots()
+        names = [key.native_key() for key in given_object_keys(list(keys))]
+        with MPServerClient(self.address.mp_http) as server:
+            yield from client_chunks(server, names)
 
-    def _no_snapshots(self):
+    def write_chunks(self, chunks, tier: str | None = None) -> dict[str, dict[str, int]]:
+        """Into L1 ("cpu"): the server's store policy copies them on to its L2 stores, as after any store."""
+        from kvctl.clients.mp_server import MPServerClient
+        from kvctl.core.inprocess import batched_writes
         from kvctl.core.instance import Unsupported
 
-        raise Unsupported("snapshots of an MP server are not supported yet (its L1 has no route that hands out "
-                          "chunk bytes)", hint="save from and load into an in-process instance")
+        if tier not in (None, "cpu"):
+            raise Unsupported(f"an MP server takes snapshot chunks into L1 (cpu) only, not {tier}: its L2 store "
+                             "policy copies them on", hint="drop --tier (or pass --tier cpu)")
+        with MPServerClient(self.address.mp_http) as server:
+            return batched_writes(chunks, lambda _to, body: server.write_chunks(body))

@@ -39,6 +39,11 @@ MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 512 * 1024 * 1024  # a million chunks and their prompts' token ids fit well inside
 BLOCK = tarfile.BLOCKSIZE
 KEY_FIELDS = ("model", "kv_dtype", "world_size", "chunk_size", "hash_algorithm", "hash_seed")
+KEY_FORMAT = "key_format"  # in the manifest's source: which kind of key the chunks are stored under
+KEY_FORMATS = {  # an instance's `key_format` -> one key of it, for messages (a manifest without one: "chunk")
+    "chunk": "an LMCache chunk key",  # in process: model@world_size@worker@hash@dtype
+    "mp-object": "an MP object key",  # an LMCache MP server's: model@kv_rank@group@hash[@salt]
+}
 CHECKSUM = re.compile(r"[0-9a-f]{64}").fullmatch  # a BLAKE3 digest, hex
 VERIFYING_THREADS = 2  # blake3 lets go of the GIL: a load checks every chunk on both cores before it writes
 IN_FLIGHT = 16  # chunks held in memory while their checksums are computed
@@ -110,10 +115,26 @@ class SaveReport:
                 "missing": len(self.manifest.missing), "prompts": [p.as_dict() for p in self.manifest.prompts]}
 
 
+def key_format(instance) -> str:
+    """The kind of key an instance stores chunks under (KEY_FORMATS); in-process chunk keys unless it says."""
+    return getattr(instance, "key_format", "chunk")
+
+
+def parses(form: str):
+    """The parser of keys of a format: None for what is no key of it."""
+    from kvctl.core.keys import parse_key, parse_object_key
+
+    return {"chunk": parse_key, "mp-object": parse_object_key}[form]
+
+
 def prompt_keys(instance, tokens: list[int], model: str | None) -> list[str]:
-    """The chunk keys the instance makes for a prompt, every rank's (its lookup names rank 0's)."""
+    """The chunk keys the instance makes for a prompt, every rank's: its own prompt_keys where it has
+    one (MP: every object group's too), else from its lookup (which names rank 0's)."""
     from kvctl.core.keys import key_of_rank, parse_key
 
+    own = getattr(instance, "prompt_keys", None)
+    if own is not None:
+        return own(tokens, model)
     keys = []
     for chunk in instance.lookup(tokens, model).chunks:
         parsed = parse_key(chunk.key)
@@ -157,7 +178,8 @@ def save(instance, out: Path, prompts: list[SavedPrompt], keys: Sequence[str] = 
     facts = instance.key_facts(model)
     manifest = Manifest({name: getattr(facts, name) for name in KEY_FIELDS},
                         {"kvctl": __version__, "lmcache": facts.lmcache_version},
-                        {"instance": instance.name, "kind": instance.kind}, time.time(), prompts)
+                        {"instance": instance.name, "kind": instance.kind, KEY_FORMAT: key_format(instance)},
+                        time.time(), prompts)
     temporary = out.with_name(f".{out.name}.{os.getpid()}.partial")
     try:
         with open(temporary, "xb") as sink, ThreadPoolExecutor(1) as hashing:  # the other core copies
@@ -287,8 +309,6 @@ class Snapshot:
 
 def parse_manifest(data: Any, extents: dict[str, tuple[int, int]], bad) -> Manifest:
     """The manifest, every field checked: a hostile file gets one line, never a traceback."""
-    from kvctl.core.keys import parse_key
-
     def need(condition: bool, why: str) -> None:
         if not condition:
             raise bad(why)
@@ -300,6 +320,9 @@ def parse_manifest(data: Any, extents: dict[str, tuple[int, int]], bad) -> Manif
     need(isinstance(keys, dict) and set(KEY_FIELDS) <= set(keys), "its manifest does not say what made its keys")
     need(isinstance(versions, dict) and isinstance(source, dict), "its manifest has no versions or source")
     need(isinstance(data.get("created"), (int, float)), "its manifest has no creation time")
+    form = source.get(KEY_FORMAT, "chunk")
+    need(form in KEY_FORMATS, f"its keys are of format {str(form)[:40]!r}, which this kvctl does not know")
+    parse_key = parses(form)
     chunks, seen = [], set()
     for raw in data.get("chunks") if isinstance(data.get("chunks"), list) else [None]:
         need(isinstance(raw, dict), "a chunk entry is not a mapping")
@@ -308,7 +331,7 @@ def parse_manifest(data: Any, extents: dict[str, tuple[int, int]], bad) -> Manif
         except TypeError:
             raise bad("a chunk entry has unknown or missing fields") from None
         need(isinstance(entry.key, str) and parse_key(entry.key) is not None and entry.key not in seen,
-             f"chunk key {str(entry.key)[:80]!r} is not an LMCache chunk key, or repeats")
+             f"chunk key {str(entry.key)[:80]!r} is not {KEY_FORMATS[form]}, or repeats")
         need(isinstance(entry.blake3, str) and CHECKSUM(entry.blake3) is not None, f"chunk {entry.key} has no checksum")
         need(isinstance(entry.member, str) and entry.member in extents and extents[entry.member][1] == entry.size,
              f"chunk {entry.key}'s data is missing or of the wrong size (the file is truncated or changed)")
@@ -380,7 +403,14 @@ def check_compatible(snapshot: Snapshot, instance, model: str | None) -> None:
 
     manifest = snapshot.manifest
     saved = KeyFacts(**{name: manifest.keys[name] for name in KEY_FIELDS})
-    found = key_differences(saved, instance.key_facts(model), KEY_FIELDS)
+    facts = instance.key_facts(model)  # first: an instance that cannot take snapshots at all says so
+    theirs, mine = manifest.source.get(KEY_FORMAT, "chunk"), key_format(instance)
+    if theirs != mine:
+        raise UsageError(f"each chunk of {snapshot.path} is keyed by {KEY_FORMATS[theirs]}; {instance.name} "
+                         f"({instance.kind}) keys chunks by {KEY_FORMATS[mine]}: they cannot be loaded there",
+                         hint=f"load it into an instance of the kind it was saved from "
+                         f"({manifest.source.get('kind', 'see its source')}); {LS_HINT}")
+    found = key_differences(saved, facts, KEY_FIELDS)
     if found:
         name, mine, theirs = found[0]
         label, hint = LABELS[name]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kvctl_plugins import protocol, wire
+from kvctl_plugins import protocol
 from kvctl_plugins.disk_index import chunk_tokens, token_bytes
 from kvctl_plugins.engine_ops import backends, select_backends
 from kvctl_plugins.protocol import BadRequest
@@ -25,20 +25,7 @@ def read_chunks(engine, texts: Any, tiers: list[str] | None) -> tuple[bytes, int
     StorageManager.get adds for a disk or remote hit), no move in the disk tier's LRU order."""
     names = protocol.strings(texts, "keys", protocol.MAX_KEYS)
     chosen = select_backends(engine, tiers)
-    parts, size, seen = [], 0, set()
-    for index, name in enumerate(names):
-        if name in seen:
-            continue
-        seen.add(name)
-        found = _first_copy(engine, chosen, _chunk_key(name))
-        if found is None:
-            continue
-        data, metadata = found
-        if parts and size + len(data) > wire.MAX_CHUNKS_BODY:
-            return b"".join(parts), index
-        parts += [wire.frame_header(name, len(data), metadata), data]
-        size += len(data)
-    return b"".join(parts), None
+    return protocol.framed(names, lambda name: _first_copy(engine, chosen, _chunk_key(name)))
 
 
 def _chunk_key(text: str):
@@ -160,25 +147,15 @@ def _checked_frames(engine, raw: bytes, fmt) -> list[tuple[Any, memoryview, list
     if getattr(config, "use_layerwise", False):
         raise BadRequest("this engine stores chunks layer by layer, under per-layer keys: chunk frames cannot be "
                          "loaded into it")
-    try:
-        frames = list(wire.read_frames(raw))
-    except ValueError as failure:
-        raise BadRequest(f"the body is not chunk frames: {failure}") from None
-    if not frames:
-        raise BadRequest("the body holds no chunk frames")
-    if sum(len(data) for _, data, _ in frames) > wire.MAX_CHUNKS_BODY:
-        raise protocol.TooLarge(f"the chunks are over {wire.MAX_CHUNKS_BODY} bytes; send them in several requests")
+    frames = protocol.frames(raw)
     chunk_size, dtypes = config.chunk_size, metadata.get_dtypes()
     per_token = token_bytes(metadata, chunk_size)
     world_size = 1 if getattr(engine.token_database, "save_only_first_rank", False) else metadata.world_size
     ours = {"model": metadata.model_name, "world size": world_size, "worker id": metadata.worker_id,
             "KV dtype": TORCH_DTYPE_TO_STR_DTYPE[metadata.kv_dtype]}
-    checked, seen = [], set()
+    checked = []
     for text, data, header in frames:
         key = _chunk_key(text)
-        if text in seen:
-            raise BadRequest(f"{text!r} comes twice in the body")
-        seen.add(text)
         theirs = {"model": key.model_name, "world size": key.world_size, "worker id": key.worker_id,
                   "KV dtype": TORCH_DTYPE_TO_STR_DTYPE[key.dtype]}
         for what, value in ours.items():

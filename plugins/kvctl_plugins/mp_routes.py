@@ -12,16 +12,30 @@ The key listing copies the L1 object table under the manager's own mutex (the sa
 `get_object_state` takes) and reads each object's size and read-lock state: no value, no lock on an
 object, no eviction-order touch. Requests are checked and the work runs off the event loop (which
 also answers /healthcheck) as protocol.py says.
+
+Chunk bytes (snapshots), as bodies of frames (wire.py) under the resp adapter's key spelling
+(`model@kv_rank:08x@group:x@hash[@salt]`, metadata null):
+    POST chunks/read   {"keys": [...]} -> the frames of the L1 objects held (NEXT_HEADER as in-process).
+                       Each object is copied under a read lock of its own, taken and given back around
+                       the copy (L1Manager.reserve_read/finish_read), so no eviction frees it meanwhile;
+                       LMCache's eviction policies take recency only from touch_keys, never from reads,
+                       so the eviction order is unchanged.
+    POST chunks/write  frames -> {"written", "already", "dropped"}: {"cpu": objects}. Every frame is
+                       checked first (a key of a model and world size some KV cache registered, an
+                       object group it has, exactly that group's object size); then each object goes
+                       through StorageManager.reserve_write / finish_write_by_owner like a store, so
+                       L1's accounting, eviction, L2 store policy and coordinator events see a write.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from kvctl_plugins import protocol
 from kvctl_plugins.protocol import BadRequest
@@ -29,6 +43,7 @@ from kvctl_plugins.wire import PREFIX
 
 HTTP_SERVER_MODULE = "lmcache.v1.multiprocess.http_server"
 router = APIRouter(prefix=PREFIX)
+ROOM_WAIT_S = 5.0  # how long a write waits for L1's eviction controller to make room (it runs in the background)
 
 
 def build_server_modules(_build_context) -> None:
@@ -55,9 +70,9 @@ def running_app():
     return None
 
 
-async def _serve(request: Request, operation) -> JSONResponse:
+async def _serve(request: Request, operation, frames: bool = False) -> Response:
     engine = getattr(request.app.state, "engine", None)
-    return await protocol.serve(request, engine, operation, "the MP server is still starting")
+    return await protocol.serve(request, engine, operation, "the MP server is still starting", frames)
 
 
 def _registered_models(context) -> list[tuple[str, int]]:
@@ -151,6 +166,128 @@ def l1_keys(engine, query) -> dict[str, Any]:
                       "locked": state.read_lock.is_locked()} for key, state in page]}
 
 
+def object_key(text: str):
+    """The ObjectKey a text names; it must be the resp adapter's own spelling of that key."""
+    from lmcache.v1.distributed.api import ObjectKey
+
+    parts = text.split("@")
+    try:
+        if len(parts) not in (4, 5):
+            raise ValueError
+        key = ObjectKey(bytes.fromhex(parts[3]), parts[0], int(parts[1], 16), int(parts[2], 16),
+                        parts[4] if len(parts) == 5 else "")
+    except ValueError:
+        key = None
+    if key is None or not key.model_name or len(key.chunk_hash) not in (8, 32) or _spelled(key) != text:
+        raise BadRequest(f"not an MP object key (model@kv_rank@group@hash[@salt]): {text[:300]!r}")
+    return key
+
+
+def _spelled(key) -> str:
+    base = f"{key.model_name}@{key.kv_rank:08x}@{key.object_group_id:x}@{key.chunk_hash.hex()}"
+    return f"{base}@{key.cache_salt}" if key.cache_salt else base
+
+
+def read_chunks(engine, body: dict[str, Any]) -> tuple[bytes, int | None]:
+    names = protocol.strings(body.get("keys"), "keys", protocol.MAX_KEYS)
+    managers = _l1_managers(engine.context.storage_manager)
+    return protocol.framed(names, lambda name: _l1_copy(managers, object_key(name)))
+
+
+def _l1_copy(managers: list, key) -> tuple[bytes, None] | None:
+    """The bytes of the resident L1 object, copied between a read lock's reserve and finish. Temporary
+    objects (a retrieve's staging copies, freed at their last read) are no chunks L1 keeps."""
+    for manager in managers:
+        state = manager.get_object_state(key)
+        if state is None or state.is_temporary:
+            continue
+        _, memory_obj = manager.reserve_read([key])[key]
+        if memory_obj is None:  # deleted or evicted since
+            continue
+        try:
+            return bytes(memory_obj.byte_array), None
+        finally:
+            manager.finish_read([key])
+    return None
+
+
+def write_chunks(engine, raw: bytes, tiers: str | None) -> dict[str, Any]:
+    """Store frames into L1; "already" counts objects L1 held (or another writer admitted meanwhile), "dropped"
+    those L1 found no room for within ROOM_WAIT_S (waited for once per request, not per object)."""
+    if tiers not in (None, "cpu"):
+        raise BadRequest("an MP server takes chunks into L1 (cpu) only; its L2 store policy copies them on")
+    context = engine.context
+    checked = _checked_frames(context, raw)
+    storage = context.storage_manager
+    managers = _l1_managers(storage)
+    counts = {"written": 0, "already": 0, "dropped": 0}
+    patience = ROOM_WAIT_S
+    for key, data, layout in checked:
+        outcome = "already" if _resident(managers, key) else _store(storage, managers, key, data, layout, patience)
+        counts[outcome] += 1
+        patience = 0.0 if outcome == "dropped" else ROOM_WAIT_S
+    return {outcome: {"cpu": count} for outcome, count in counts.items()}
+
+
+def _resident(managers: list, key) -> bool:
+    return any(manager.get_object_state(key) is not None for manager in managers)
+
+
+def _checked_frames(context, raw: bytes) -> list[tuple[Any, memoryview, Any]]:
+    """(key, data, layout) of every frame; BadRequest naming the first one this server cannot take."""
+    from lmcache.utils import get_size_bytes
+
+    registered = _registered_models(context)
+    checked = []
+    for text, data, metadata in protocol.frames(raw):
+        key = object_key(text)
+        if metadata is not None:
+            raise BadRequest(f"{text!r} carries a metadata header: MP objects have none (an in-process chunk?)")
+        world_size, rank = key.kv_rank >> 24, (key.kv_rank >> 16) & 0xFF
+        local_world_size, local_rank = (key.kv_rank >> 8) & 0xFF, key.kv_rank & 0xFF
+        if not (rank < world_size and local_rank < local_world_size <= world_size):
+            raise BadRequest(f"{text!r} has kv_rank {key.kv_rank:#010x}, which no worker makes")
+        if (key.model_name, world_size) not in registered:
+            known = ", ".join(f"{model} (world size {size})" for model, size in registered) or "none"
+            raise BadRequest(f"{text!r} is an object of {key.model_name!r} at world size {world_size}, which no KV "
+                             f"cache registered with this server has (registered: {known}); load once vLLM has "
+                             "connected with that model")
+        groups = context.layout_desc_registry.find_group_layout_descs(key.model_name, world_size) or {}
+        layout = groups.get(key.object_group_id)
+        if layout is None:
+            raise BadRequest(f"{text!r} is of object group {key.object_group_id}; {key.model_name!r} registered "
+                             f"groups {sorted(groups)}")
+        size = get_size_bytes(layout.shapes, layout.dtypes)
+        if len(data) != size:
+            raise BadRequest(f"{text!r} has {len(data)} bytes; an object of group {key.object_group_id} of "
+                             f"{key.model_name!r} here is {size} bytes (another KV layout, dtype or chunk size)")
+        checked.append((key, data, layout))
+    return checked
+
+
+def _store(storage, managers: list, key, data: memoryview, layout, patience: float) -> str:
+    """One object through the storage manager's own write path: reserve (waiting up to `patience` while
+    L1 is full), copy, finish; a reservation that cannot be completed is discarded."""
+    from lmcache.v1.distributed.storage_manager import _L1_WRITE_TAG
+
+    deadline = time.monotonic() + patience
+    while (memory_obj := storage.reserve_write([key], layout).get(key)) is None:
+        if _resident(managers, key):  # another writer got there first
+            return "already"
+        if time.monotonic() >= deadline:
+            return "dropped"
+        time.sleep(0.05)
+    try:
+        view = memory_obj.byte_array
+        view = view.cast("B") if view.format != "B" else view
+        view[:] = data  # a length mismatch raises: nothing is admitted
+    except BaseException:
+        storage._l1_managers_by_id[memory_obj.get_l1_manager()].finish_write_and_delete([key], tag=_L1_WRITE_TAG)
+        raise
+    storage.finish_write_by_owner(storage.prepare_write_completion({key: memory_obj}))
+    return "written" if _resident(managers, key) else "dropped"
+
+
 @router.get("/info")
 async def info_route(request: Request) -> JSONResponse:
     return await _serve(request, lambda engine, _: info(engine))
@@ -165,3 +302,14 @@ async def keys_route(request: Request) -> JSONResponse:
 async def lookup_route(request: Request) -> JSONResponse:
     # hashing a long prompt takes tens of milliseconds: protocol.serve keeps it off the event loop
     return await _serve(request, lookup)
+
+
+@router.post("/chunks/read")
+async def read_chunks_route(request: Request) -> Response:
+    return await _serve(request, lambda engine, body: protocol.frames_response(*read_chunks(engine, body)))
+
+
+@router.post("/chunks/write")
+async def write_chunks_route(request: Request) -> Response:
+    tiers = request.query_params.get("tiers")
+    return await _serve(request, lambda engine, raw: write_chunks(engine, raw, tiers), frames=True)

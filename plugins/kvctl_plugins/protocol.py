@@ -24,7 +24,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from kvctl_plugins.wire import FRAMES_TYPE, MAX_CHUNKS_BODY, MAX_PAGE, TOKEN_VARIABLE, error_body
+from kvctl_plugins import wire
+from kvctl_plugins.wire import FRAMES_TYPE, MAX_CHUNKS_BODY, MAX_PAGE, NEXT_HEADER, TOKEN_VARIABLE, error_body
 
 MAX_BODY_BYTES = 16 * 1024 * 1024  # a 128K-token lookup is about 1 MiB of JSON
 JSON_TYPE = "application/json"
@@ -212,6 +213,52 @@ def ttl_seconds(value: Any) -> float | None:
         raise BadRequest(f"ttl_s must be a positive number of seconds up to {MAX_TTL_S:.0f} (30 days), "
                          "or null: until unpinned")
     return float(value)
+
+
+def framed(names: list[str], find: Callable[[str], tuple[bytes, bytes | None] | None]) -> tuple[bytes, int | None]:
+    """A chunks/read body for `names` (each once, in the order asked): the frames of what find(name)
+    returns as (data, metadata), skipping None; and the index into `names` of the first name left out
+    because its frame would take the chunk bytes over wire.MAX_CHUNKS_BODY (None: all were answered;
+    the first frame always goes, so a client that asks again from there gets on)."""
+    parts, size, seen, next_index = [], 0, set(), None
+    for index, name in enumerate(names):
+        if name in seen:
+            continue
+        seen.add(name)
+        found = find(name)
+        if found is None:
+            continue
+        data, metadata = found
+        if parts and size + len(data) > wire.MAX_CHUNKS_BODY:
+            next_index = index
+            break
+        parts += [wire.frame_header(name, len(data), metadata), data]
+        size += len(data)
+    return b"".join(parts), next_index
+
+
+def frames_response(body: bytes, next_index: int | None) -> Response:
+    """A chunks/read answer: the frames, and where a client asks again from when it was cut short."""
+    return Response(body, media_type=FRAMES_TYPE, headers={} if next_index is None else {NEXT_HEADER: str(next_index)})
+
+
+def frames(raw: bytes) -> list[tuple[str, memoryview, bytes | None]]:
+    """(key, data, metadata) of every frame of a chunks/write body; BadRequest for a malformed, empty or
+    cut-short body or a key that comes twice, TooLarge over wire.MAX_CHUNKS_BODY of chunk bytes."""
+    try:
+        found = list(wire.read_frames(raw))
+    except ValueError as failure:
+        raise BadRequest(f"the body is not chunk frames: {failure}") from None
+    if not found:
+        raise BadRequest("the body holds no chunk frames")
+    if sum(len(data) for _, data, _ in found) > wire.MAX_CHUNKS_BODY:
+        raise TooLarge(f"the chunks are over {wire.MAX_CHUNKS_BODY} bytes; send them in several requests")
+    seen: set[str] = set()
+    for key, _, _ in found:
+        if key in seen:
+            raise BadRequest(f"{key!r} comes twice in the body")
+        seen.add(key)
+    return found
 
 
 def page(query: dict[str, str], default_limit: int) -> tuple[int, int]:

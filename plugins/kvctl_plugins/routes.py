@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from kvctl_plugins import chunk_bytes, engine_ops, protocol
 from kvctl_plugins.engine_ops import PinRegistry
 from kvctl_plugins.protocol import BadRequest
-from kvctl_plugins.wire import FRAMES_TYPE, NEXT_HEADER, PREFIX
+from kvctl_plugins.wire import PREFIX
 
 router = APIRouter(prefix=PREFIX)
 PINS = PinRegistry()
@@ -108,9 +108,7 @@ async def prefetch(request: Request) -> JSONResponse:
 @router.post("/chunks/read")
 async def read_chunks(request: Request) -> Response:
     def operation(engine, body):
-        data, next_index = chunk_bytes.read_chunks(engine, body.get("keys"), _tiers(body))
-        headers = {} if next_index is None else {NEXT_HEADER: str(next_index)}
-        return Response(data, media_type=FRAMES_TYPE, headers=headers)
+        return protocol.frames_response(*chunk_bytes.read_chunks(engine, body.get("keys"), _tiers(body)))
 
     return await _serve(request, operation)
 

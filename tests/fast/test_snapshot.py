@@ -162,23 +162,51 @@ def test_a_hostile_manifest_gets_one_line(target, kvctl, tmp_path, manifest):
 
 def test_a_manifest_naming_no_chunk_key_or_a_missing_member_is_refused(instances, target, kvctl, tmp_path):
     out, _ = saved(kvctl, tmp_path, "--tokens-file", PROMPT_FILE)
-    with tarfile.open(out) as archive:
-        manifest = json.load(archive.extractfile("manifest.json"))
     for change, message in ((lambda m: m["chunks"][0].update(key="../../etc/passwd"), "is not an LMCache chunk key"),
                             (lambda m: m["chunks"][0].update(member="chunks/999999"), "data is missing"),
-                            (lambda m: m["chunks"][0].update(member=["chunks/000000"]), "data is missing")):
-        changed = json.loads(json.dumps(manifest))
-        change(changed)
-        body = json.dumps(changed).encode()
-        path = tmp_path / "changed.kvsnap"
-        with tarfile.open(out) as source, tarfile.open(path, "w") as archive:
-            for member in source.getmembers()[:-1]:
-                archive.addfile(member, source.extractfile(member))
-            info = tarfile.TarInfo("manifest.json")
-            info.size = len(body)
-            archive.addfile(info, io.BytesIO(body))
+                            (lambda m: m["chunks"][0].update(member=["chunks/000000"]), "data is missing"),
+                            (lambda m: m["source"].update(key_format="mp-object"), "is not an MP object key"),
+                            (lambda m: m["source"].update(key_format="zip"), "format 'zip'")):
+        path = rewritten(out, change, tmp_path / "changed.kvsnap")
         refused(kvctl("snapshot", "load", path, "--instance", "node-b"), 1, message)
     assert contents(target) == {"cpu": set(), "disk": set()}
+
+
+def rewritten(out, change, path):
+    """A copy of the snapshot `out` at `path` whose manifest change(manifest) edited."""
+    with tarfile.open(out) as archive:
+        manifest = json.load(archive.extractfile("manifest.json"))
+    change(manifest)
+    body = json.dumps(manifest).encode()
+    with tarfile.open(out) as source, tarfile.open(path, "w") as archive:
+        for member in source.getmembers()[:-1]:
+            archive.addfile(member, source.extractfile(member))
+        info = tarfile.TarInfo("manifest.json")
+        info.size = len(body)
+        archive.addfile(info, io.BytesIO(body))
+    return path
+
+
+class MPMemoryInstance(MemoryInstance):
+    """An in-memory instance that, like an LMCache MP server, keys chunks by MP object keys."""
+
+    kind = "mp"
+    key_format = "mp-object"
+
+
+def test_a_snapshot_is_loaded_only_where_chunks_are_keyed_the_same_way(instances, kvctl, tmp_path, monkeypatch):
+    out, _ = saved(kvctl, tmp_path, "--tokens-file", PROMPT_FILE)
+    mp_node = MPMemoryInstance("mp-node", [MemoryStore("cpu")])
+    monkeypatch.setattr("kvctl.core.instance.open_instance", lambda selector, address=None: mp_node)
+    refused(kvctl("snapshot", "load", out, "--instance", "mp-node"), 2,
+            "is keyed by an LMCache chunk key; mp-node (mp) keys chunks by an MP object key")
+    assert contents(mp_node) == {"cpu": set()}
+
+    plain = MemoryInstance("node-c", [MemoryStore("cpu")])
+    monkeypatch.setattr("kvctl.core.instance.open_instance", lambda selector, address=None: plain)
+    older = rewritten(out, lambda manifest: manifest["source"].pop("key_format"), tmp_path / "older.kvsnap")
+    loaded = kvctl("snapshot", "load", older, "--instance", "node-c", "--format", "json")  # before key formats
+    assert loaded.code == 0 and loaded.json()["written"] == {"cpu": 4}, loaded.stderr
 
 
 def test_a_target_that_makes_other_keys_is_refused_naming_the_difference(instances, target, kvctl, tmp_path):

@@ -255,13 +255,13 @@ def fake_engine(objects):
 @pytest.mark.filterwarnings("ignore:You should not use the 'timeout' argument")  # TestClient
 def test_a_read_answer_stops_at_the_cap_and_says_where_to_go_on(monkeypatch):
     from fastapi import FastAPI
-    from kvctl_plugins import chunk_bytes, routes
+    from kvctl_plugins import chunk_bytes, routes, wire
     from starlette.testclient import TestClient
 
     keys = [f"tiny@1@0@{index + 1:x}@half" for index in range(5)]
     objects = {key: FakeChunk(4) for key in keys if key != keys[1]}  # the second is held by no tier
     size = len(objects[keys[0]].data)
-    monkeypatch.setattr(chunk_bytes.wire, "MAX_CHUNKS_BODY", 2 * size)
+    monkeypatch.setattr(wire, "MAX_CHUNKS_BODY", 2 * size)
     app = FastAPI()
     app.include_router(routes.router)
     app.state.lmcache_adapter = SimpleNamespace(lmcache_engine=fake_engine(objects))
@@ -273,6 +273,6 @@ def test_a_read_answer_stops_at_the_cap_and_says_where_to_go_on(monkeypatch):
             answers.append([key for key, _, _ in read_frames(body)])
     assert answers == [[keys[0], keys[2]], [keys[3], keys[4]]]
     assert all(chunk.refs == 1 for chunk in objects.values())  # every reference taken was given back
-    monkeypatch.setattr(chunk_bytes.wire, "MAX_CHUNKS_BODY", 1)
+    monkeypatch.setattr(wire, "MAX_CHUNKS_BODY", 1)
     body, rest = chunk_bytes.read_chunks(fake_engine(objects), [keys[0], keys[2]], None)
     assert [key for key, _, _ in read_frames(body)] == [keys[0]] and rest == 1  # a chunk over the cap still goes
