@@ -70,3 +70,43 @@ def test_a_snapshot_moves_a_warm_prompt_to_a_node_that_never_saw_it(tmp_path, mo
         if node_b.proc.poll() is None:
             node_b.stop()
     node_b.assert_nothing_left()
+
+
+@pytest.mark.slow
+def test_an_mp_snapshot_moves_a_warm_prompt_between_two_mp_nodes(tmp_path, monkeypatch):
+    """The same move between two `kvctl serve --mode mp` nodes: chunks read from A's L1 and written into B's
+    through its server (whose vLLM registered the model's layout), then retrieved by B's vLLM from the server."""
+    prompt = prompt_file(tmp_path, "json/__init__")
+    snap = tmp_path / "warm-mp.kvsnap"
+    node_a = Serve(tmp_path / "node-a", "--mode", "mp")
+    try:
+        model = node_a.state["model"]
+        uncached = greedy(node_a, prompt.read_text())
+        chunks = len(answer(node_a, "lookup", "--prompt-file", prompt)["chunks"])
+        wait_until(lambda: answer(node_a, "lookup", "--prompt-file", prompt)["hit_tokens"]["cpu"] == chunks * 256,
+                   60, "node A's L1 to hold the prompt")
+        saved = answer(node_a, "snapshot", "save", "--prompt-file", prompt, "-o", snap)
+        assert saved["chunks"] >= chunks >= 2 and saved["missing"] == 0
+        assert answer(node_a, "snapshot", "ls", snap)["source"]["key_format"] == "mp-object"
+        assert node_a.stop() == 0
+    finally:
+        if node_a.proc.poll() is None:
+            node_a.stop()
+    node_a.assert_nothing_left()
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    node_b = Serve(tmp_path / "node-b", model, "--mode", "mp")
+    try:
+        assert answer(node_b, "lookup", "--prompt-file", prompt)["hit_tokens"]["total"] == 0
+        loaded = answer(node_b, "snapshot", "load", snap)
+        assert loaded["written"] == {"cpu": saved["chunks"]} and loaded["prompts"][0]["cached"] == chunks
+        assert answer(node_b, "lookup", "--prompt-file", prompt)["hit_tokens"]["cpu"] == chunks * 256
+        assert greedy(node_b, prompt.read_text()) == uncached
+        server_log = {process["name"]: process["log"] for process in node_b.state["processes"]}["lmcache-server"]
+        wait_until(lambda: f"Retrieved {chunks * 256} tokens" in open(server_log).read(), 60,
+                   "node B's vLLM to retrieve the loaded chunks")
+        assert node_b.stop() == 0
+    finally:
+        if node_b.proc.poll() is None:
+            node_b.stop()
+    node_b.assert_nothing_left()
