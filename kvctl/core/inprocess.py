@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
+from kvctl.core.instance import ChunkKeyed
 from kvctl.core.keys import given_chunk_keys, parse_key
 
 ROUTE_BATCH = 10_000  # keys per evict request: well inside the routes' body cap
@@ -239,7 +240,7 @@ def _rank_of(key: str, world_size: int) -> int:
     return parsed.worker_id
 
 
-class InProcessInstance:
+class InProcessInstance(ChunkKeyed):
     """A running in-process engine: kvctl's routes on every worker answer for the CPU and disk tiers
     and for pins; Redis is read and written directly (see `evict`)."""
 

@@ -259,6 +259,7 @@ class Instance(Protocol):
     settle_s: float  # how long a report after a write waits for it to land on every tier
     notes: list[str]  # what the last operation could not look at, and why
     pin_ids: bool  # whether pin() takes a pin_id (and pins() reports it): what pin sets need
+    key_format: str  # what chunks are stored under: "chunk" (LMCache's in-process keys) or "mp-object"
 
     def model_name(self, model: str | None = None) -> str:
         """The model whose keys a prompt makes here: `model`, or the one the instance serves."""
@@ -287,6 +288,10 @@ class Instance(Protocol):
 
     def prefetch(self, tokens: list[int]) -> dict[str, Any]: ...
 
+    def prompt_keys(self, tokens: list[int], model: str | None = None) -> list[str]:
+        """The keys a prompt's chunks are stored under here, chunk by chunk: every rank's (and, MP,
+        every object group's), as a snapshot must hold them."""
+
     def key_facts(self, model: str | None = None) -> Any:
         """A doctor KeyFacts: what makes this instance's chunk keys (chunk size, hashing, seed, model,
         KV dtype, world size) and its LMCache version, None where not known."""
@@ -297,6 +302,23 @@ class Instance(Protocol):
     def write_chunks(self, chunks: Iterable[StoredChunk], tier: str | None = None) -> dict[str, dict[str, int]]:
         """Store the chunks on `tier` (None: the instance's first); {"written": {tier: n}, "already":
         {tier: n}} (chunks the tier held before, left as they were)."""
+
+
+class ChunkKeyed:
+    """An instance whose chunks are stored under LMCache's in-process chunk keys (an engine, or a
+    configuration's disk directory and Redis): a prompt's keys are its lookup's, rank 0's as lookups
+    name them, with every other rank's beside each."""
+
+    key_format = "chunk"
+
+    def prompt_keys(self, tokens: list[int], model: str | None = None) -> list[str]:
+        from kvctl.core.keys import key_of_rank, parse_key
+
+        keys = []
+        for chunk in self.lookup(tokens, model).chunks:
+            parsed = parse_key(chunk.key)
+            keys.extend(key_of_rank(chunk.key, rank) for rank in range(parsed.world_size if parsed else 1))
+        return keys
 
 
 @dataclass(frozen=True)

@@ -155,6 +155,7 @@ class MPInstance:
 
     kind = "mp"
     pin_ids = False  # the coordinator counts pins per key, with no ids
+    key_format = "mp-object"  # ObjectKey.native_key(): model@kv_rank@group@hash[@salt]
 
     def __init__(self, address, selector) -> None:
         if not address.mp_http:
@@ -301,8 +302,6 @@ class MPInstance:
                           hint="MP mode prefetches on its own when vLLM looks a prompt up; use plain prewarm there")
 
     # -- snapshots: L1's objects through kvctl's MP routes, under their native keys ----------------
-
-    key_format = "mp-object"  # a snapshot's keys: ObjectKey.native_key(), not in-process chunk keys
 
     def key_facts(self, model: str | None = None):
         """What the server makes keys with (/status, and the model and world size vLLM registered);

@@ -19,7 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from kvctl.core.errors import KvctlError, UsageError
-from kvctl.core.instance import EvictionPlan, Selection, StoredChunk, Unsupported, plan_store_eviction
+from kvctl.core.instance import (
+    ChunkKeyed,
+    EvictionPlan,
+    Selection,
+    StoredChunk,
+    Unsupported,
+    plan_store_eviction,
+)
 from kvctl.core.keys import (
     disk_file_name,
     given_chunk_keys,
@@ -185,7 +192,7 @@ def chunk_store(store: Store) -> DirectoryStore | RedisStore:
     return DirectoryStore(store) if store.layout in DISK_SUFFIXES else RedisStore(store)
 
 
-class OfflineInstance:
+class OfflineInstance(ChunkKeyed):
     """A configuration directory's stores, with no engine: lookup, list and evict; pins refused."""
 
     kind = "offline"

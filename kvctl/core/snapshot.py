@@ -115,11 +115,6 @@ class SaveReport:
                 "missing": len(self.manifest.missing), "prompts": [p.as_dict() for p in self.manifest.prompts]}
 
 
-def key_format(instance) -> str:
-    """The kind of key an instance stores chunks under (KEY_FORMATS); in-process chunk keys unless it says."""
-    return getattr(instance, "key_format", "chunk")
-
-
 def parses(form: str):
     """The parser of keys of a format: None for what is no key of it."""
     from kvctl.core.keys import parse_key, parse_object_key
@@ -127,27 +122,12 @@ def parses(form: str):
     return {"chunk": parse_key, "mp-object": parse_object_key}[form]
 
 
-def prompt_keys(instance, tokens: list[int], model: str | None) -> list[str]:
-    """The chunk keys the instance makes for a prompt, every rank's: its own prompt_keys where it has
-    one (MP: every object group's too), else from its lookup (which names rank 0's)."""
-    from kvctl.core.keys import key_of_rank, parse_key
-
-    own = getattr(instance, "prompt_keys", None)
-    if own is not None:
-        return own(tokens, model)
-    keys = []
-    for chunk in instance.lookup(tokens, model).chunks:
-        parsed = parse_key(chunk.key)
-        keys.extend(key_of_rank(chunk.key, rank) for rank in range(parsed.world_size if parsed else 1))
-    return keys
-
-
 def select_prompts(instance, sources: Sequence[tuple[str, Any]], model: str | None) -> list[SavedPrompt]:
     """Each (label, PromptSource) tokenized and keyed as the instance would."""
     prompts = []
     for label, source in sources:
         tokens = instance.tokenize(source, model)
-        prompts.append(SavedPrompt(label, tokens, prompt_keys(instance, tokens, model)))
+        prompts.append(SavedPrompt(label, tokens, instance.prompt_keys(tokens, model)))
     return prompts
 
 
@@ -178,7 +158,7 @@ def save(instance, out: Path, prompts: list[SavedPrompt], keys: Sequence[str] = 
     facts = instance.key_facts(model)
     manifest = Manifest({name: getattr(facts, name) for name in KEY_FIELDS},
                         {"kvctl": __version__, "lmcache": facts.lmcache_version},
-                        {"instance": instance.name, "kind": instance.kind, KEY_FORMAT: key_format(instance)},
+                        {"instance": instance.name, "kind": instance.kind, KEY_FORMAT: instance.key_format},
                         time.time(), prompts)
     temporary = out.with_name(f".{out.name}.{os.getpid()}.partial")
     try:
@@ -404,7 +384,7 @@ def check_compatible(snapshot: Snapshot, instance, model: str | None) -> None:
     manifest = snapshot.manifest
     saved = KeyFacts(**{name: manifest.keys[name] for name in KEY_FIELDS})
     facts = instance.key_facts(model)  # first: an instance that cannot take snapshots at all says so
-    theirs, mine = manifest.source.get(KEY_FORMAT, "chunk"), key_format(instance)
+    theirs, mine = manifest.source.get(KEY_FORMAT, "chunk"), instance.key_format
     if theirs != mine:
         raise UsageError(f"each chunk of {snapshot.path} is keyed by {KEY_FORMATS[theirs]}; {instance.name} "
                          f"({instance.kind}) keys chunks by {KEY_FORMATS[mine]}: they cannot be loaded there",
@@ -417,7 +397,7 @@ def check_compatible(snapshot: Snapshot, instance, model: str | None) -> None:
         raise UsageError(f"{snapshot.path} was saved with {label} {mine}; {instance.name} makes keys with {theirs}: "
                          "its chunks would never be hit there", hint=hint)
     for prompt in manifest.prompts:
-        made = prompt_keys(instance, prompt.tokens, model)
+        made = instance.prompt_keys(prompt.tokens, model)
         if made != prompt.keys:
             raise UsageError(f"{instance.name} makes other chunk keys for {prompt.source} than {snapshot.path} holds "
                              "(model name, hashing or seed differ): its chunks would never be hit there",

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from kvctl.core.doctor import KeyFacts
 from kvctl.core.errors import KvctlError, RejectedError, UnreachableError
 from kvctl.core.instance import (
+    ChunkKeyed,
     CoordinatorPin,
     EvictionPlan,
     Pin,
@@ -106,7 +107,7 @@ def memory_keys(tokens: Sequence[int], model: str) -> list[str]:
             for end in range(CHUNK_TOKENS, len(tokens) + 1, CHUNK_TOKENS)]
 
 
-class MemoryInstance:
+class MemoryInstance(ChunkKeyed):
     """kvctl.core.instance.Instance over MemoryStores: lists, evicts (plan_store_eviction, pinned keys kept
     unless forced) and pins (kvctl's typed pins, which hold a prompt's keys) in memory. `failing` names tiers
     whose listing fails with the given error, `notes` go into every listing; prompts come only as token-ids

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvctl.core import snapshot
 from kvctl.core.doctor import KeyFacts
+from kvctl.core.instance import ChunkKeyed
 from tests.fast.conftest import MODEL, OTHER_PROMPT, PROMPT, PROMPT_FILE, PROMPT_KEYS, contents
 from tests.fast.memory import MemoryInstance, MemoryStore, chunk_bytes, memory_keys
 
@@ -235,6 +235,9 @@ def test_load_to_tier_all_is_a_usage_error(target, kvctl, tmp_path):
 
 def test_prompt_keys_cover_every_rank():
     keys = [key.replace("@1@0@", "@2@0@") for key in memory_keys(PROMPT, MODEL)]
-    node = SimpleNamespace(lookup=lambda tokens, model=None: SimpleNamespace(chunks=[SimpleNamespace(key=key)
-                                                                                     for key in keys]))
-    assert snapshot.prompt_keys(node, PROMPT, None) == [key for k in keys for key in (k, k.replace("@2@0@", "@2@1@"))]
+
+    class TwoRanks(ChunkKeyed):
+        def lookup(self, tokens, model=None):
+            return SimpleNamespace(chunks=[SimpleNamespace(key=key) for key in keys])
+
+    assert TwoRanks().prompt_keys(PROMPT) == [key for k in keys for key in (k, k.replace("@2@0@", "@2@1@"))]
