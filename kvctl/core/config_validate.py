@@ -384,10 +384,12 @@ def _check_kv_transfer(config: dict[str, Any], mode: str, yaml_values: dict[str,
                 converted[key] = convert_value(key, value)
             except ConversionError as error:
                 collector.error(name, f"{name}: {error}", hint=f"{key} takes a {_type_text(schema['keys'][key])}")
-    if mode == "inprocess" and _statistics_on(yaml_values, converted) and \
-            config.get("kv_connector_module_path") != PLUGIN_MODULE:
-        collector.error("enable_chunk_statistics", "enable_chunk_statistics with the stock connector: LMCache "
-                        "0.5.6's statistics recorder resets the scheduler's first chunk hash, so every lookup misses",
+    algorithm = _effective(yaml_values, converted, "pre_caching_hash_algorithm", "builtin")
+    if mode == "inprocess" and _effective(yaml_values, converted, "enable_chunk_statistics", False) is True and \
+            algorithm != "builtin" and config.get("kv_connector_module_path") != PLUGIN_MODULE:
+        collector.error("enable_chunk_statistics", "enable_chunk_statistics with the stock connector and "
+                        f"{shown(algorithm)} hashing: LMCache 0.5.6's statistics recorder resets the scheduler's "
+                        "first chunk hash to the builtin one, so every lookup misses",
                         hint=f'add "kv_connector_module_path": "{PLUGIN_MODULE}" (kvctl\'s plugins keep the hash), '
                         "or turn the statistics off")
     if mode == "mp" and yaml_values:
@@ -401,15 +403,16 @@ def _check_kv_transfer(config: dict[str, Any], mode: str, yaml_values: dict[str,
                                 hint="make them equal; vLLM cannot use the server otherwise")
 
 
-def _statistics_on(yaml_values: dict[str, Any] | None, connector_values: dict[str, Any]) -> bool:
-    """Whether the engine will build LMCache's chunk statistics (the connector's value wins over the file's)."""
-    if "enable_chunk_statistics" in connector_values:
-        return connector_values["enable_chunk_statistics"] is True
-    value = (yaml_values or {}).get("enable_chunk_statistics")
+def _effective(yaml_values: dict[str, Any] | None, connector_values: dict[str, Any], key: str, default: Any) -> Any:
+    """The value the engine will run with: the connector's extra config wins over the file, else LMCache's
+    default (a value that does not convert is reported with the file's other values)."""
+    if key in connector_values:
+        return connector_values[key]
+    value = (yaml_values or {}).get(key)
     try:
-        return value is not None and convert_value("enable_chunk_statistics", value) is True
+        return default if value is None else convert_value(key, value)
     except ConversionError:
-        return False  # reported with the file's other values
+        return default
 
 
 # -- environment -------------------------------------------------------------------------------

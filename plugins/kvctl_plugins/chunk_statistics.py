@@ -16,6 +16,7 @@ import functools
 HASH_STATE = (("lmcache.v1.token_database", "NONE_HASH"),
               ("vllm.v1.core.kv_cache_utils", "NONE_HASH"),
               ("vllm.v1.core.kv_cache_utils", "_NONE_HASH_SEED"))
+MISSING = object()  # an attribute not set before the constructor ran
 
 
 def install() -> None:
@@ -27,22 +28,34 @@ def install() -> None:
 
 
 def keeping_none_hash(constructor):
-    """`constructor`, leaving the process-wide first hashes as it found them."""
+    """`constructor`, leaving the process-wide first hashes as it found them (an attribute that was not
+    set yet is removed again; a module that cannot be imported, vLLM in a standalone engine, is skipped)."""
 
     @functools.wraps(constructor)
     def wrapped(*args, **kwargs):
-        import importlib
-
-        modules = {name: importlib.import_module(name) for name, _ in HASH_STATE}
-        missing = object()
-        saved = [(modules[name], attribute, getattr(modules[name], attribute, missing))
-                 for name, attribute in HASH_STATE]
+        saved = [(module, attribute, getattr(module, attribute, MISSING))
+                 for module, attribute in _hash_state()]
         try:
             return constructor(*args, **kwargs)
         finally:
             for module, attribute, value in saved:
-                if value is not missing:
+                if value is MISSING:
+                    if hasattr(module, attribute):
+                        delattr(module, attribute)
+                else:
                     setattr(module, attribute, value)
 
     wrapped.keeps_none_hash = True
     return wrapped
+
+
+def _hash_state() -> list[tuple[object, str]]:
+    import importlib
+
+    state = []
+    for name, attribute in HASH_STATE:
+        try:
+            state.append((importlib.import_module(name), attribute))
+        except ImportError:
+            continue
+    return state

@@ -254,7 +254,12 @@ def test_mp_resp_adapters_must_share_credentials(tmp_path):
     assert "different credentials" in report["findings"][0]["message"]
 
 
-def test_chunk_statistics_need_kvctls_connector_module(tmp_path):
+def test_chunk_statistics_need_kvctls_connector_module_unless_hashing_is_builtin(tmp_path):
+    write_yaml(tmp_path, {**GOOD, "enable_chunk_statistics": True, "pre_caching_hash_algorithm": "builtin"})
+    (tmp_path / "kv-transfer-config.json").write_text(json.dumps({"kv_connector": "LMCacheConnectorV1",
+                                                                  "kv_role": "kv_both"}))
+    _, report = validate(tmp_path)  # the recorder re-makes the builtin first hash: the same one
+    assert not [f for f in report["findings"] if f["key"] == "enable_chunk_statistics"]
     write_yaml(tmp_path, {**GOOD, "enable_chunk_statistics": True})
     stock = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
     (tmp_path / "kv-transfer-config.json").write_text(json.dumps(stock))

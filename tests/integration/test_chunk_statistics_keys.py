@@ -27,10 +27,13 @@ tokens = list(range(1000))
 def hashes():
     return [str(chunk_hash) for _, _, chunk_hash in keys.process_tokens(tokens=tokens, make_key=False)]
 stored = hashes()
+from vllm.v1.core import kv_cache_utils
+vllm_before = (kv_cache_utils.NONE_HASH, kv_cache_utils._NONE_HASH_SEED)
 statistics = ChunkStatisticsLookupClient(None, config)
 looked_up = hashes()
 statistics.recorder.close()
-print(json.dumps({"same": stored == looked_up, "chunks": len(stored)}))
+vllm_same = (kv_cache_utils.NONE_HASH, kv_cache_utils._NONE_HASH_SEED) == vllm_before
+print(json.dumps({"same": stored == looked_up and vllm_same, "chunks": len(stored)}))
 """
 
 
