@@ -50,11 +50,16 @@ def escape_controls(text: str, keep_lines: bool = False) -> str:
 
 
 def cut_long_words(message: str, limit: int = SHOWN_CHARS) -> str:
-    """A message composed elsewhere (Click's usage errors) with each run of non-space characters
-    longer than `limit` cut with an ellipsis: a pasted prompt as an option value stays one line."""
+    """A message composed elsewhere (Click's usage errors) with each quoted value, and each run of
+    non-space characters, longer than `limit` cut with an ellipsis: a prompt pasted as an option value
+    stays one short line."""
     import re
 
-    return re.sub(rf"\S{{{limit + 1},}}", lambda long: long.group()[:limit - 1] + "…", message)
+    def cut(long) -> str:
+        return long.group()[:limit - 1] + "…"
+
+    quoted_cut = re.sub(rf"'[^'\n]{{{limit},}}'", lambda long: cut(long) + "'", message)
+    return re.sub(rf"[^\s…]{{{limit + 1},}}", cut, quoted_cut)
 
 
 def shown(value: Any, limit: int = SHOWN_CHARS, quoted: bool = False) -> str:

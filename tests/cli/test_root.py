@@ -53,6 +53,8 @@ def test_a_pasted_or_hostile_value_in_a_usage_error_is_cut_and_escaped():
     result = run_cli("ls", "--tier", pasted)
     assert result.code == ExitCode.USAGE and len(result.stderr) < 400 and "x" * 70 in result.stderr
     assert "x" * 80 not in result.stderr and "…" in result.stderr
+    prompt = run_cli("ls", "--tier", "the quick brown fox " * 100)
+    assert prompt.code == ExitCode.USAGE and len(prompt.stderr) < 400 and "the quick brown fox" in prompt.stderr
     hostile = run_cli("ls", "--\x1b]52;c;evil\x07")
     assert hostile.code == ExitCode.USAGE and "\x1b" not in hostile.stderr and "\\x1b]52" in hostile.stderr
 
