@@ -11,8 +11,8 @@ import typer
 
 from kvctl.cli.fleet import open_one, selector
 from kvctl.cli.manage_backends import Yes, confirm
-from kvctl.cli.observe import _bytes
 from kvctl.cli.options import InstanceOption, InventoryOption, StateOption
+from kvctl.core.display import format_bytes
 from kvctl.output import Table
 
 
@@ -48,8 +48,9 @@ def _status_tables(status, title: str = "devices") -> list:
                        "yes" if a.get("reconfigurable") else "") for a in status.adapters], title="storage adapters")
     caption = None if status.l1.get("dax") else f"L1: {status.l1.get('reason', 'not Device-DAX backed')}"
     devices = Table(["tier", "adapter", "device", "capacity", "used", "state"],
-                    [(d["tier"], d["adapter"], d["device"], _bytes(d["capacity_bytes"]), _bytes(d["used_bytes"]),
-                      d["state"]) for d in status.devices()], title=title, caption=caption)
+                    [(d["tier"], d["adapter"], d["device"], format_bytes(d["capacity_bytes"]),
+                      format_bytes(d["used_bytes"]), d["state"]) for d in status.devices()],
+                    title=title, caption=caption)
     return [adapters, devices]
 
 

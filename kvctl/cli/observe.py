@@ -9,6 +9,7 @@ import typer
 
 from kvctl.cli.fleet import report_errors
 from kvctl.cli.options import FleetInstance, InventoryOption, StateOption, TimeoutOption
+from kvctl.core.display import format_bytes
 from kvctl.core.errors import ExitCode
 from kvctl.output import Table
 
@@ -97,8 +98,9 @@ def _stats_tables(report: dict[str, Any]) -> list:
     items: list = [Table(["metric", "value", "detail"], rows, title=f"{name} ({report.get('mode', '?')})")]
     if lmcache and lmcache["tiers"]:
         items.append(Table(["tier", "chunks", "used", "capacity", "usage", "policy"],
-                           [(t["tier"], _number(t["chunks"]), _bytes(t["used_bytes"]), _bytes(t["capacity_bytes"]),
-                             _percent(t["usage"]), t.get("maxmemory_policy") or "") for t in lmcache["tiers"]]))
+                           [(t["tier"], _number(t["chunks"]), format_bytes(t["used_bytes"]),
+                             format_bytes(t["capacity_bytes"]), _percent(t["usage"]), t.get("maxmemory_policy") or "")
+                            for t in lmcache["tiers"]]))
     return items
 
 
@@ -138,13 +140,3 @@ def _number(value) -> str:
 
 def _percent(value) -> str:
     return "-" if value is None else f"{100 * value:.1f} %"
-
-
-def _bytes(value) -> str:
-    if value is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
-        value /= 1024
-    return str(value)

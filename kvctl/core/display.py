@@ -76,3 +76,14 @@ def shown(value: Any, limit: int = SHOWN_CHARS, quoted: bool = False) -> str:
         pieces.append(piece)
         length += len(piece)
     return "".join(pieces)
+
+
+def format_bytes(value) -> str:
+    """A byte count for a table cell: 1.5 GiB, 512.0 MiB, 12 B; '-' for unknown."""
+    if value is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
+        value /= 1024
+    return str(value)

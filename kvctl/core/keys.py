@@ -24,6 +24,8 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any, NamedTuple
 
+from kvctl_plugins.wire import MP_HASH_BYTES
+
 from kvctl.core.errors import KvctlError, UsageError
 
 INPROCESS_ALGORITHMS = ("builtin", "sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
@@ -305,7 +307,7 @@ def mp_object_keys(tokens: Sequence[int], recipe: MPKeyRecipe) -> list[list[Obje
 
 MP_RANK = re.compile(r"[0-9a-f]{8}").fullmatch
 MP_GROUP = re.compile(r"0|[1-9a-f][0-9a-f]{0,7}").fullmatch
-MP_HASH = re.compile(r"[0-9a-f]{16}|[0-9a-f]{64}").fullmatch  # 8-byte int hashes, 32-byte blake3 digests
+MP_HASH = re.compile("|".join(f"[0-9a-f]{{{2 * size}}}" for size in MP_HASH_BYTES)).fullmatch
 MP_SALT = re.compile(r"[^@/\\\x00]{1,128}").fullmatch
 
 

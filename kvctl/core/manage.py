@@ -466,7 +466,8 @@ def chunk_top(instance, directory: str | os.PathLike | None, limit: int):
 DEFAULT_SALT = "_default"  # the empty cache salt, as LMCache's HTTP API spells it
 
 
-def _mp(instance, what: str):
+def require_mp(instance, what: str):
+    """The instance, if an MP server; else what only one has (plural: "tenant quotas") as a usage error."""
     from kvctl.core.mp_cache import MPInstance
 
     return _require(instance, MPInstance, f"{what} are an MP server feature (lmcache server)",
@@ -489,7 +490,7 @@ def quota(instance, action: str, salt: str | None = None, limit_gb: float | None
     L2 IsolatedLRU eviction; a salt without a quota has an effective limit of 0)."""
     from kvctl.clients.mp_server import MPServerClient
 
-    found = _mp(instance, "tenant quotas")
+    found = require_mp(instance, "tenant quotas")
     name = salt if salt else DEFAULT_SALT
     with MPServerClient(found.address.mp_http) as server:
         if action == "list":

@@ -23,6 +23,7 @@ BACKEND = "dax"  # the only reconfigurable backend of 0.5.6
 L2_MODES = {"add": (), "remove": ("migrate", "evict", "drain"), "resize": ("migrate", "evict")}
 L1_MODES = {"add": (), "remove": ("drain",)}
 DEFAULT_MODE = {"l2": "migrate", "l1": "drain"}
+GONE = ("removed", "closed", "failed")  # device states the server no longer counts as mapped
 # Binary units, as LMCache's own size strings ("4GiB", "512mb", "1048576").
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([a-z]*)$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
@@ -97,9 +98,10 @@ class StorageStatus:
         return rows
 
     def device(self, tier: str, path: str, adapter: int = 0) -> dict[str, Any] | None:
-        """The live (not removed) device at `path`, if the server has one."""
+        """The live device at `path` (as the server matches it: stripped; removed, closed and failed
+        devices are not live), if the server has one."""
         for row in self.devices():
-            if (row["tier"], row["device"]) == (tier, path) and row["state"] not in ("removed", "closed") and (
+            if (row["tier"], row["device"]) == (tier, path.strip()) and row["state"] not in GONE and (
                     tier == "l1" or row["adapter"] == adapter):
                 return row
         return None
@@ -121,9 +123,9 @@ def storage_status(server) -> StorageStatus:
 
 def status(instance) -> StorageStatus:
     from kvctl.clients.mp_server import MPServerClient
-    from kvctl.core.manage import _mp
+    from kvctl.core.manage import require_mp
 
-    with MPServerClient(_mp(instance, "storage reconfiguration").address.mp_http) as server:
+    with MPServerClient(require_mp(instance, "storage reconfigurations").address.mp_http) as server:
         return storage_status(server)
 
 
@@ -200,10 +202,10 @@ def plan(instance, action: str, tier: str, device: str, size: int | None = None,
     """The request for `action` and the current status, nothing changed (a dry run, and the
     question before a change that can drop cached chunks)."""
     from kvctl.clients.mp_server import MPServerClient
-    from kvctl.core.manage import _mp
+    from kvctl.core.manage import require_mp
 
     body = request_body(action, tier, device, size, mode, force, adapter)
-    with MPServerClient(_mp(instance, "storage reconfiguration").address.mp_http) as server:
+    with MPServerClient(require_mp(instance, "storage reconfigurations").address.mp_http) as server:
         current = storage_status(server)
     path = MPServerClient.reconfigure_path(BACKEND, tier, action)
     return Change(action, tier, device, path, body, current,
@@ -264,11 +266,11 @@ def checksums(instance, blocks: list[int], chunk_size: int | None = None, worker
     """MD5 per chunk of `blocks` (default chunk: the server's chunk size in the worker's blocks).
     Blocks past the worker's KV cache are refused here: LMCache answers them with a bare 500."""
     from kvctl.clients.mp_server import MPServerClient
-    from kvctl.core.manage import _mp
+    from kvctl.core.manage import require_mp
 
     if not blocks:
         raise UsageError("no blocks to checksum", hint="pass --blocks, e.g. 0-15")
-    with MPServerClient(_mp(instance, "KV block checksums").address.mp_http) as server:
+    with MPServerClient(require_mp(instance, "KV block checksums").address.mp_http) as server:
         server_status = server.status()
         size = chunk_size or blocks_per_chunk(server_status, worker)
         count = (worker_layout(server_status, worker) or {}).get("num_blocks")

@@ -304,17 +304,19 @@ class MPInstance:
     # -- snapshots: L1's objects through kvctl's MP routes, under their native keys ----------------
 
     def key_facts(self, model: str | None = None):
-        """What the server makes keys with (/status, and the model and world size vLLM registered);
-        KV dtype is in no MP key, so None, as is a model the server cannot name."""
+        """What the server makes keys with (/status), and the model, world size and KV dtype vLLM
+        registered: no MP key names the dtype, but bytes of another dtype and the same size would load
+        and be read as garbage. None where the server cannot name the model."""
         from kvctl.clients.mp_server import MPServerClient
         from kvctl.core.doctor import read_running
 
         facts = read_running(self.address).facts
         with MPServerClient(self.address.mp_http) as server:
-            models = {entry["model"]: entry["world_size"] for entry in server.info()["models"]}
+            models = {entry["model"]: entry for entry in server.info()["models"]}
         name = model or self.selector.model or self.address.model or (next(iter(models)) if len(models) == 1
                                                                        else None)
-        facts.model, facts.world_size, facts.kv_dtype = name, models.get(name), None
+        registered = models.get(name, {})
+        facts.model, facts.world_size, facts.kv_dtype = name, registered.get("world_size"), registered.get("kv_dtype")
         return facts
 
     def prompt_keys(self, tokens: list[int], model: str | None = None) -> list[str]:

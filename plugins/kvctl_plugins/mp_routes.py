@@ -39,11 +39,12 @@ from fastapi.responses import JSONResponse, Response
 
 from kvctl_plugins import protocol
 from kvctl_plugins.protocol import BadRequest
-from kvctl_plugins.wire import PREFIX
+from kvctl_plugins.wire import MP_HASH_BYTES, PREFIX
 
 HTTP_SERVER_MODULE = "lmcache.v1.multiprocess.http_server"
 router = APIRouter(prefix=PREFIX)
 ROOM_WAIT_S = 5.0  # how long a write waits for L1's eviction controller to make room (it runs in the background)
+ROOM_POLL_S = 0.25  # between reservations while L1 is full
 
 
 def build_server_modules(_build_context) -> None:
@@ -92,10 +93,19 @@ def info(engine) -> dict[str, Any]:
     l1 = {tag: {key: manager[key] for key in ("total_object_count", "memory_used_bytes", "memory_total_bytes",
                                                "memory_usage_ratio")}
           for tag, manager in status["l1_managers"].items()}
-    return {"engine": "mp", "models": [{"model": model, "world_size": world_size}
+    return {"engine": "mp", "models": [{"model": model, "world_size": world_size,
+                                        "kv_dtype": _kv_dtype(context, model, world_size)}
                                        for model, world_size in _registered_models(context)],
             "chunk_size": context.chunk_size, "hash_algorithm": context.token_hasher.hash_algorithm_name,
             "l1": l1, "l2_adapters": [adapter.get("type") for adapter in status["l2_adapters"]]}
+
+
+def _kv_dtype(context, model: str, world_size: int) -> str | None:
+    """The KV dtype(s) a model's registered layouts hold ("bfloat16"; several joined by "+"): no MP key
+    names it, so a snapshot records it to refuse loading bf16 bytes where fp16 of the same size is read."""
+    groups = context.layout_desc_registry.find_group_layout_descs(model, world_size) or {}
+    names = sorted({str(dtype).removeprefix("torch.") for layout in groups.values() for dtype in layout.dtypes})
+    return "+".join(names) or None
 
 
 def _key_rows(context, model: str, world_size: int, tokens: list[int], salt: str) -> list[list]:
@@ -178,7 +188,7 @@ def object_key(text: str):
                         parts[4] if len(parts) == 5 else "")
     except ValueError:
         key = None
-    if key is None or not key.model_name or len(key.chunk_hash) not in (8, 32) or _spelled(key) != text:
+    if key is None or not key.model_name or len(key.chunk_hash) not in MP_HASH_BYTES or _spelled(key) != text:
         raise BadRequest(f"not an MP object key (model@kv_rank@group@hash[@salt]): {text[:300]!r}")
     return key
 
@@ -213,7 +223,7 @@ def _l1_copy(managers: list, key) -> tuple[bytes, None] | None:
 
 def write_chunks(engine, raw: bytes, tiers: str | None) -> dict[str, Any]:
     """Store frames into L1; "already" counts objects L1 held (or another writer admitted meanwhile), "dropped"
-    those L1 found no room for within ROOM_WAIT_S (waited for once per request, not per object)."""
+    those L1 found no room for within ROOM_WAIT_S of the request's start (one wait per request, not per object)."""
     if tiers not in (None, "cpu"):
         raise BadRequest("an MP server takes chunks into L1 (cpu) only; its L2 store policy copies them on")
     context = engine.context
@@ -221,11 +231,10 @@ def write_chunks(engine, raw: bytes, tiers: str | None) -> dict[str, Any]:
     storage = context.storage_manager
     managers = _l1_managers(storage)
     counts = {"written": 0, "already": 0, "dropped": 0}
-    patience = ROOM_WAIT_S
+    deadline = time.monotonic() + ROOM_WAIT_S
     for key, data, layout in checked:
-        outcome = "already" if _resident(managers, key) else _store(storage, managers, key, data, layout, patience)
+        outcome = "already" if _resident(managers, key) else _store(storage, managers, key, data, layout, deadline)
         counts[outcome] += 1
-        patience = 0.0 if outcome == "dropped" else ROOM_WAIT_S
     return {outcome: {"cpu": count} for outcome, count in counts.items()}
 
 
@@ -265,18 +274,18 @@ def _checked_frames(context, raw: bytes) -> list[tuple[Any, memoryview, Any]]:
     return checked
 
 
-def _store(storage, managers: list, key, data: memoryview, layout, patience: float) -> str:
-    """One object through the storage manager's own write path: reserve (waiting up to `patience` while
-    L1 is full), copy, finish; a reservation that cannot be completed is discarded."""
+def _store(storage, managers: list, key, data: memoryview, layout, deadline: float) -> str:
+    """One object through the storage manager's own write path: reserve (while L1 is full, retrying
+    until the request's `deadline`; each failed reservation counts in LMCache's allocation-failure
+    metrics, so not often), copy, finish; a reservation that cannot be completed is discarded."""
     from lmcache.v1.distributed.storage_manager import _L1_WRITE_TAG
 
-    deadline = time.monotonic() + patience
     while (memory_obj := storage.reserve_write([key], layout).get(key)) is None:
         if _resident(managers, key):  # another writer got there first
             return "already"
         if time.monotonic() >= deadline:
             return "dropped"
-        time.sleep(0.05)
+        time.sleep(ROOM_POLL_S)
     try:
         view = memory_obj.byte_array
         view = view.cast("B") if view.format != "B" else view

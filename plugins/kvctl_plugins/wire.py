@@ -29,6 +29,8 @@ ERROR_MESSAGE = "message"  # what a person reads
 # kvctl's tier names in LMCache's lookup order (LocalCPUBackend, LocalDiskBackend, a RemoteBackend on
 # Redis). An engine's routes answer its own backends' order, which may name "remote" or a backend.
 TIER_ORDER = ("cpu", "disk", "redis")
+# An MP object key's chunk hash: 8-byte integer hashes (builtin), 16-byte (xxhash), 32-byte (sha256, blake3)
+MP_HASH_BYTES = (8, 16, 32)
 
 
 FRAME_LENGTH = struct.Struct(">I")

@@ -5,6 +5,7 @@ then shows every chunk, its greedy completion equals A's first (uncached) one to
 counts retrieve hits for it."""
 
 import json
+from pathlib import Path
 
 import httpx
 import pytest
@@ -103,7 +104,7 @@ def test_an_mp_snapshot_moves_a_warm_prompt_between_two_mp_nodes(tmp_path, monke
         assert answer(node_b, "lookup", "--prompt-file", prompt)["hit_tokens"]["cpu"] == chunks * 256
         assert greedy(node_b, prompt.read_text()) == uncached
         server_log = {process["name"]: process["log"] for process in node_b.state["processes"]}["lmcache-server"]
-        wait_until(lambda: f"Retrieved {chunks * 256} tokens" in open(server_log).read(), 60,
+        wait_until(lambda: f"Retrieved {chunks * 256} tokens" in Path(server_log).read_text(), 60,
                    "node B's vLLM to retrieve the loaded chunks")
         assert node_b.stop() == 0
     finally:

@@ -58,7 +58,8 @@ def test_mp_names():
 
 def test_mp_keys_parse_back_from_either_name_and_nothing_else_does():
     for key in (ObjectKey(bytes.fromhex("ab" * 32), "/models/tiny", kv_rank(2, 1), 3, "tenant"),
-                ObjectKey(bytes(range(8)), "m", kv_rank(1, 0))):
+                ObjectKey(bytes(range(8)), "m", kv_rank(1, 0)),
+                ObjectKey(bytes(range(16)), "m", kv_rank(1, 0))):  # xxhash's 16-byte digests
         assert parse_object_key(key.native_key()) == key == parse_object_key(key.fs_file_name())
         assert ObjectKey.from_encoded(key.encoded()) == key
     h8 = "00" * 8
