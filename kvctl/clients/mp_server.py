@@ -124,7 +124,8 @@ class MPServerClient(HTTPClient):
 
     def write_chunks(self, body: bytes) -> dict[str, Any]:
         """Store a body of frames into L1: {"written", "already", "dropped"}, each {"cpu": objects}. Any
-        frame the server cannot take: RejectedError, and nothing of this body is written."""
+        frame the server cannot take: RejectedError, and nothing of this body is written; a server error
+        while writing leaves the objects before it written (each whole)."""
         from kvctl_plugins.wire import FRAMES_TYPE
 
         from kvctl.clients.internal_api import CHUNKS_TIMEOUT_S

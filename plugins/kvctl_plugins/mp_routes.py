@@ -206,7 +206,9 @@ def read_chunks(engine, body: dict[str, Any]) -> tuple[bytes, int | None]:
 
 def _l1_copy(managers: list, key) -> tuple[bytes, None] | None:
     """The bytes of the resident L1 object, copied between a read lock's reserve and finish. Temporary
-    objects (a retrieve's staging copies, freed at their last read) are no chunks L1 keeps."""
+    objects (a retrieve's staging copies, freed at their last read) are no chunks L1 keeps. The eviction
+    order stays (LMCache's L1 policy ignores finished reads), but the read counts in LMCache's L1 read
+    metrics and access times, as any read does."""
     for manager in managers:
         state = manager.get_object_state(key)
         if state is None or state.is_temporary:
