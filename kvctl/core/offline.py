@@ -20,7 +20,6 @@ from typing import Any
 
 from kvctl.core.errors import KvctlError, UsageError
 from kvctl.core.instance import (
-    ChunkKeyed,
     EvictionPlan,
     Selection,
     StoredChunk,
@@ -49,6 +48,7 @@ from kvctl.core.target import DISK_SUFFIXES, Deployment, Store, Target, read_dep
 READ_BATCH = 64  # chunks read (and held in memory) at a time when saving a snapshot
 PROBE_TIMEOUT_S = 1.0  # a running engine answers on loopback at once; a stopped one refuses at once
 CPU_HINT = "the CPU tier lives in a running engine: use --instance"
+L1_HINT = "the MP server's L1 (cpu) lives in a running server: load through it with --instance URL"
 NEEDS_ENGINE_HINT = "pins and prefetch need a running engine: pass --instance (a kvctl serve name or its URL)"
 
 
@@ -136,6 +136,7 @@ class RedisStore:
 
     def __init__(self, store: Store) -> None:
         self.store, self.tier = store, store.tier
+        self.headers = store.layout == "lmcache-redis"  # the resp adapter SETs the object's bytes alone
 
     def chunk_keys(self, model: str | None) -> list[str]:
         return redis_tier_keys(self.store, model)
@@ -146,7 +147,7 @@ class RedisStore:
     def remove(self, keys: Sequence[str]) -> list[str]:
         return unlink_chunks(self.store, list(keys))
 
-    # -- chunk bytes (snapshots; LMCache's layout: `<key>kv_bytes` then `<key>metadata`) -------------
+    # -- chunk bytes (snapshots; in-process: `<key>kv_bytes` then `<key>metadata`; MP: `<key>`) ------
 
     def read(self, keys: Sequence[str]) -> Iterator[StoredChunk]:
         from kvctl.clients.redis_tier import RedisTier
@@ -155,14 +156,16 @@ class RedisStore:
         with RedisTier(self.store.redis) as redis:
             values = redis.get_values([name for key in keys for name in redis_chunk_names(key, self.store.layout)])
             for key in keys:
-                data, metadata = next(values), next(values)
-                if data is not None and metadata is not None:
+                data, metadata = next(values), next(values) if self.headers else None
+                if data is not None and (metadata is not None or not self.headers):
                     yield StoredChunk(key, data, metadata)
 
     def with_metadata(self, chunks: list[StoredChunk]) -> list[StoredChunk]:
-        """The chunks, each with the metadata header Redis holds for it (where it does)."""
+        """The chunks, each with the metadata header Redis holds for it (where it does; MP keeps none)."""
         from kvctl.clients.redis_tier import RedisTier
 
+        if not self.headers:
+            return chunks
         names = [redis_chunk_names(chunk.key, self.store.layout)[-1] for chunk in chunks]
         with RedisTier(self.store.redis) as redis:
             headers = list(redis.get_values(names))
@@ -171,12 +174,12 @@ class RedisStore:
 
     def write(self, chunks: list[StoredChunk]) -> tuple[int, int]:
         """(written, already there): the data name first and the metadata name last, as LMCache writes them,
-        so a reader that sees the metadata finds the data."""
+        so a reader that sees the metadata finds the data (MP: the one name, the object's bytes)."""
         from kvctl.clients.redis_tier import RedisTier
 
         held = set(self.held([chunk.key for chunk in chunks]))
         going = [chunk for chunk in chunks if chunk.key not in held]
-        bare = next((chunk.key for chunk in going if not chunk.metadata), None)
+        bare = next((chunk.key for chunk in going if not chunk.metadata), None) if self.headers else None
         if bare is not None:
             raise UsageError(f"chunk {bare} has no LMCache metadata header (it was saved from a disk tier), which "
                              "the Redis tier needs", hint="load it into a disk tier, or through a running engine "
@@ -192,8 +195,9 @@ def chunk_store(store: Store) -> DirectoryStore | RedisStore:
     return DirectoryStore(store) if store.layout in DISK_SUFFIXES else RedisStore(store)
 
 
-class OfflineInstance(ChunkKeyed):
-    """A configuration directory's stores, with no engine: lookup, list and evict; pins refused."""
+class OfflineInstance:
+    """A configuration directory's stores, with no engine: lookup, list, evict, snapshots; pins refused.
+    Its keys are the deployment's: chunk keys in process, object keys for an MP server's L2."""
 
     kind = "offline"
     pin_ids = False  # no pins without an engine
@@ -210,6 +214,17 @@ class OfflineInstance(ChunkKeyed):
     @cached_property
     def deployment(self) -> Deployment:
         return read_deployment(self.config_dir)
+
+    @property
+    def key_format(self) -> str:
+        """An MP configuration's stores hold objects under their object keys, an in-process one's chunks."""
+        return "mp-object" if self.deployment.mode == "mp" else "chunk"
+
+    def prompt_keys(self, tokens: list[int], model: str | None = None) -> list[str]:
+        """The recipe's keys, chunk by chunk, every rank's (MP: object keys, object group 0: the only one
+        a configuration can name), without reading a store."""
+        recipe = self._target(model).recipe
+        return [key for chunk in prompt_chunk_keys(list(tokens), recipe) for key in chunk["keys"]]
 
     def _target(self, model: str | None) -> Target:
         """The key recipe and stores for `model` (else the constructor's, else env.sh's)."""
@@ -281,8 +296,7 @@ class OfflineInstance(ChunkKeyed):
         """The selected chunk keys: a prompt's on every rank, or the given ones (canonical); None for
         whole tiers."""
         if selection.tokens is not None:
-            recipe = self._target(selection.model).recipe
-            return [key for chunk in prompt_chunk_keys(list(selection.tokens), recipe) for key in chunk["keys"]]
+            return self.prompt_keys(list(selection.tokens), selection.model)
         if selection.keys is None:
             return None
         if self.deployment.mode == "mp":
@@ -356,14 +370,15 @@ class OfflineInstance(ChunkKeyed):
     # -- snapshots ----------------------------------------------------------------------------------
 
     def key_facts(self, model: str | None = None):
+        """The recipe's: model and world size from the flags or env.sh; KV dtype None for MP (in no MP key)."""
         from kvctl.core.doctor import UNSET, KeyFacts
         from kvctl.core.versions import installed
 
         self._snapshot_stores()
         recipe = self._target(model).recipe
         seed = UNSET if recipe.hash_seed is None else recipe.hash_seed
-        return KeyFacts(recipe.chunk_size, recipe.hash_algorithm, seed, recipe.model_name, recipe.kv_dtype,
-                        recipe.world_size, installed("lmcache"))
+        return KeyFacts(recipe.chunk_size, recipe.hash_algorithm, seed, recipe.model_name,
+                        getattr(recipe, "kv_dtype", None), recipe.world_size, installed("lmcache"))
 
     def read_chunks(self, keys: Sequence[str]) -> Iterator[StoredChunk]:
         """From the disk directory first, then Redis (LMCache's lookup order). A chunk read from disk
@@ -381,28 +396,32 @@ class OfflineInstance(ChunkKeyed):
 
     def write_chunks(self, chunks: Iterable[StoredChunk], tier: str | None = None) -> dict[str, dict[str, int]]:
         """Into the disk directory (refused while an engine of this configuration runs: it would not see
-        them until restarted) or Redis (which a running engine reads afresh)."""
+        them until restarted) or Redis (which a running in-process engine reads afresh; an MP server's
+        L2 accounting would not count them, so refused there too). MP: the fs directory's `.data`
+        files and the resp adapter's keys, each the object's bytes as the server's L1 holds them."""
         stores = {store.tier: store for store in self._snapshot_stores()}
+        mp = self.deployment.mode == "mp"
         tier = tier or next(iter(stores))
         if tier not in stores:
             present = ", ".join(stores)
             raise UsageError(f"this configuration has no {tier} tier kvctl writes directly (it has {present})",
-                             hint=CPU_HINT if tier == "cpu" else f"choose among {present}")
-        if tier == "disk":
+                             hint=(L1_HINT if mp else CPU_HINT) if tier == "cpu" else f"choose among {present}")
+        if tier == "disk" or mp:
             url = self.running_engine()
             if url:
-                raise UsageError(f"an engine of this configuration is running at {url}: it would not see chunks "
-                                 "written behind its back until restarted", hint=f"load through it: --instance {url}")
+                why = ("its L2 accounting would not count chunks written behind its back" if mp
+                       else "it would not see chunks written behind its back until restarted")
+                raise UsageError(f"an engine of this configuration is running at {url}: {why}",
+                                 hint=f"load through it: --instance {url}")
         written, already = stores[tier].write(list(chunks))
         return {"written": {tier: written}, "already": {tier: already}}
 
     def _snapshot_stores(self) -> list[DirectoryStore | RedisStore]:
-        if self.deployment.mode == "mp":
-            raise Unsupported("snapshots of an MP deployment are not supported yet",
-                              hint="save from and load into an in-process deployment")
         stores = [chunk_store(store) for store in self.deployment.stores]
         if not stores:
-            raise UsageError("this configuration names no disk or Redis tier kvctl reads directly", hint=CPU_HINT)
+            mp = self.deployment.mode == "mp"
+            raise UsageError(f"this configuration names no {'fs or resp L2' if mp else 'disk or Redis'} tier kvctl "
+                             "reads directly", hint=L1_HINT if mp else CPU_HINT)
         return stores
 
     # -- what needs an engine ----------------------------------------------------------------------

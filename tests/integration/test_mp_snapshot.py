@@ -2,8 +2,14 @@
 chunks in L1, stored by LMCache's own MP client; its snapshot loads into server B, which never saw the
 prompt, through B's storage manager, byte for byte, and B then serves that KV to a vLLM-like client. A
 target with another chunk size, a changed file, an in-process target, another tier and malformed frames
-are refused with nothing written; reading takes no lock it keeps and leaves L1's eviction order alone."""
+are refused with nothing written; reading takes no lock it keeps and leaves L1's eviction order alone.
 
+Offline, an MP configuration's fs directory and resp Redis (real redis-servers) are read and written
+directly: A's snapshot loaded into a configuration no server runs is byte for byte what LMCache's own fs
+and resp adapters write for the same prompt (server W), and a server then started on it serves the KV
+from L2; W's L2, saved from its configuration, loads into B, which serves it."""
+
+import contextlib
 import json
 import os
 import subprocess
@@ -19,8 +25,10 @@ from kvctl_plugins.wire import frame_header, read_frames
 from kvctl.clients.mp_server import MPServerClient
 from kvctl.core.config_init import mp_server_argv
 from kvctl.core.errors import RejectedError
+from kvctl.core.instance import Selector, open_instance
 from kvctl.core.keys import MPKeyRecipe, mp_object_keys
 from kvctl.core.launch import MP_ROUTES_ARGV
+from tests.conftest import RedisStarter
 from tests.helpers import STACK_ENV, free_port, run_cli, start_process, stop_process, wait_until
 from tests.integration.test_mp_l1_lookup import CHUNK, CHUNK_BYTES, MODEL, tokens, write_tokens
 
@@ -77,6 +85,28 @@ def own_cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("KVCTL_CACHE_DIR", str(tmp_path / "kvctl-cache"))
 
 
+def configure(out: Path, *tiers: str, chunk: int = CHUNK) -> tuple[str, str]:
+    """A `kvctl config init --mode mp` directory (chunk size `chunk`) and its server's (RPC, HTTP) URLs."""
+    port, http_port = free_port(), free_port()
+    init = run_cli("config", "init", "--mode", "mp", "--out", out, *(arg for tier in tiers for arg in ("--tier", tier)),
+                   "--mp-port", port, "--mp-http-port", http_port, "--model", MODEL)
+    assert init.code == 0, init.stderr
+    values = yaml.safe_load((out / "lmcache.yaml").read_text())
+    (out / "lmcache.yaml").write_text(yaml.safe_dump({**values, "chunk_size": chunk}))
+    return f"tcp://127.0.0.1:{port}", f"http://127.0.0.1:{http_port}"
+
+
+def launch(config: Path, log: Path) -> subprocess.Popen:
+    """`lmcache server` of a configuration, with kvctl's routes, as `kvctl serve --mode mp` starts it."""
+    values = yaml.safe_load((config / "lmcache.yaml").read_text())
+    return start_process([sys.executable, "-m", "lmcache.v1.multiprocess.http_server", *mp_server_argv(values),
+                          *MP_ROUTES_ARGV], log)
+
+
+def wait_serving(proc: subprocess.Popen, log: Path, http: str, chunk: int = CHUNK) -> None:
+    wait_until(lambda: MPServerClient(http).info()["chunk_size"] == chunk, 120, "lmcache server", proc, log)
+
+
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory):
     """A and B (chunk size 256, each with a connected client), C (chunk size 128, nothing connected)."""
@@ -84,18 +114,12 @@ def nodes(tmp_path_factory):
     started, holders, found = [], [], {}
     try:
         for name, gb, chunk in (("a", L1_GB, CHUNK), ("b", 0.05, CHUNK), ("c", 0.05, 128)):
-            port, http_port = free_port(), free_port()
-            init = run_cli("config", "init", "--mode", "mp", "--out", base / name, "--tier", f"cpu:{gb}",
-                           "--mp-port", port, "--mp-http-port", http_port, "--model", MODEL)
-            assert init.code == 0, init.stderr
-            values = {**yaml.safe_load((base / name / "lmcache.yaml").read_text()), "chunk_size": chunk}
+            rpc, http = configure(base / name, f"cpu:{gb}", chunk=chunk)
             log = base / f"{name}.log"
-            started.append((start_process([sys.executable, "-m", "lmcache.v1.multiprocess.http_server",
-                                           *mp_server_argv(values), *MP_ROUTES_ARGV], log), log))
-            found[name] = (f"tcp://127.0.0.1:{port}", f"http://127.0.0.1:{http_port}", chunk)
+            started.append((launch(base / name, log), log))
+            found[name] = (rpc, http, chunk)
         for (proc, log), (_, http, chunk) in zip(started, found.values()):
-            wait_until(lambda http=http, chunk=chunk: MPServerClient(http).info()["chunk_size"] == chunk, 120,
-                       "lmcache server", proc, log)
+            wait_serving(proc, log, http, chunk)
         for name in ("a", "b"):
             holders.append(Holder(found[name][0], found[name][1], base / f"{name}-client.log"))
         yield {name: Node(http, holder) for (name, (_, http, _)), holder in zip(found.items(), [*holders, None])}
@@ -128,7 +152,7 @@ def manifest_of(path: Path) -> dict:
 def test_a_snapshot_of_one_server_loads_into_another_which_then_serves_the_same_kv(nodes, snapshot_of_a, tmp_path):
     path, prompt, stored = snapshot_of_a
     manifest = manifest_of(path)
-    assert manifest["keys"] == {"model": MODEL, "kv_dtype": None, "world_size": 1, "chunk_size": CHUNK,
+    assert manifest["keys"] == {"model": MODEL, "kv_dtype": "float16", "world_size": 1, "chunk_size": CHUNK,
                                 "hash_algorithm": "blake3", "hash_seed": manifest["keys"]["hash_seed"]}
     assert manifest["source"]["kind"] == "mp" and manifest["source"]["key_format"] == "mp-object"
     assert manifest["prompts"][0]["keys"] == PROMPT_KEYS
@@ -259,3 +283,149 @@ def test_reading_takes_no_lock_it_keeps_and_leaves_the_eviction_order_alone(node
             node.holder.ask("store", tokens(80 + n, 2 * CHUNK))
         wait_until(lambda: client.lookup(first, MODEL)["chunks"][0]["tiers"] == [], 30, "eviction of the oldest")
         assert [chunk["tiers"] for chunk in client.lookup(second, MODEL)["chunks"]] == [["cpu"], ["cpu"]]
+
+
+# -- an MP configuration offline: its fs directory and resp Redis read and written directly ----------
+
+
+class Offline:
+    """An MP configuration (cpu, fs L2 in `l2`, resp L2 on `redis`) and, once started, its server."""
+
+    def __init__(self, base: Path, name: str, redis) -> None:
+        self.config, self.l2, self.redis = base / name, base / f"{name}-l2", redis.client()
+        self.rpc, self.http = configure(self.config, "cpu:0.05", f"disk:{self.l2}", redis.url)
+        self.log = base / f"{name}.log"
+
+    def kvctl(self, *args: str):
+        result = run_cli(*args, "--config", self.config, "--format", "json")
+        return result, (json.loads(result.stdout) if result.stdout else None)
+
+    def files(self) -> dict[str, bytes]:
+        return {path.name: path.read_bytes() for path in self.l2.iterdir()} if self.l2.exists() else {}
+
+    def values(self) -> dict[bytes, bytes]:
+        return {name: self.redis.get(name) for name in self.redis.keys("*")}
+
+    @contextlib.contextmanager
+    def serving(self):
+        """Its server, with LMCache's MP client connected, for as long as the block runs."""
+        proc = launch(self.config, self.log)
+        holder = None
+        try:
+            wait_serving(proc, self.log, self.http)
+            holder = Holder(self.rpc, self.http, self.log.with_suffix(".client.log"))
+            yield holder
+        finally:
+            if holder:
+                holder.close()
+            stop_process(proc)
+
+
+@pytest.fixture(scope="module")
+def l2_stack(tmp_path_factory):
+    """W: a running server with fs and resp L2 (LMCache's own adapters) that stored PROMPT through its
+    client, and its checksums; O: a configuration of the same shape on its own directory and Redis,
+    with no server (yet)."""
+    base = tmp_path_factory.mktemp("mp-l2")
+    redis = RedisStarter(base)
+    w, o = Offline(base, "w", redis()), Offline(base, "o", redis())
+    proc = launch(w.config, w.log)
+    holder = None
+    try:
+        wait_serving(proc, w.log, w.http)
+        holder = Holder(w.rpc, w.http, base / "w-client.log")
+        stored = holder.ask("store", PROMPT)["checksums"]
+        names = [ranks[0] for ranks in mp_object_keys(PROMPT, MPKeyRecipe(MODEL, CHUNK))]
+        wait_until(lambda: all((w.l2 / key.fs_file_name()).exists() and w.redis.exists(key.native_key())
+                               for key in names), 30, "fs and resp L2 writes")
+        yield {"w": w, "o": o, "stored": stored}
+    finally:
+        if holder:
+            holder.close()
+        stop_process(proc)
+        redis.stop_all()
+
+
+@pytest.mark.slow
+def test_a_live_servers_snapshot_loads_offline_as_lmcaches_own_l2_adapters_write_it_and_is_served(
+        nodes, snapshot_of_a, l2_stack, tmp_path):
+    path, prompt, stored = snapshot_of_a
+    w, o = l2_stack["w"], l2_stack["o"]
+    offline, live = open_instance(Selector(config=o.config)), open_instance(Selector(instance=w.http))
+    assert offline.key_format == live.key_format == "mp-object"
+    assert offline.prompt_keys(PROMPT) == live.prompt_keys(PROMPT) == PROMPT_KEYS
+
+    for tier in ("disk", "redis"):
+        result, report = o.kvctl("snapshot", "load", path, "--tier", tier)
+        assert result.code == 0, result.stderr
+        assert (report["written"], report["already"]) == ({tier: 3}, {tier: 0})
+        assert report["prompts"] == [{"source": str(prompt), "tokens": len(PROMPT), "chunks": 3, "cached": 3,
+                                      "hit_tokens": 3 * CHUNK}]
+    assert o.files() == w.files() and len(w.files()) == 3  # names and bytes: what the fs adapter wrote
+    assert o.values() == w.values() and len(w.values()) == 3  # and the resp adapter: the object's bytes alone
+
+    again, _ = o.kvctl("snapshot", "load", path, "--tier", "disk")
+    assert again.code == 0 and json.loads(again.stdout)["already"] == {"disk": 3}
+    with o.serving() as holder:  # a fresh server: its L1 is empty, LMCache prefetches from its L2
+        served = holder.ask("retrieve", PROMPT)
+        assert served["hit_chunks"] == 3 and served["checksums"] == stored == l2_stack["stored"]
+
+
+@pytest.mark.slow
+def test_what_a_server_wrote_to_l2_saved_from_its_configuration_loads_into_another_server(
+        nodes, snapshot_of_a, l2_stack, tmp_path):
+    path, prompt, _ = snapshot_of_a
+    w, b = l2_stack["w"], nodes["b"]
+    saved = {}
+    for name, selection in (("prompt", ("--tokens-file", prompt)), ("resp", ("--tier", "redis", "--all"))):
+        result, report = w.kvctl("snapshot", "save", *selection, "-o", tmp_path / f"{name}.kvsnap")
+        assert result.code == 0 and report["chunks"] == 3 and report["missing"] == 0, result.stderr
+        saved[name] = manifest_of(tmp_path / f"{name}.kvsnap")
+    live = manifest_of(path)
+    assert saved["prompt"]["source"]["kind"] == "offline" and saved["prompt"]["source"]["key_format"] == "mp-object"
+    unknown_offline = {"kv_dtype": None, "hash_seed": saved["prompt"]["keys"]["hash_seed"]}  # blake3: seed-free
+    assert saved["prompt"]["keys"] == {**live["keys"], **unknown_offline}  # no vLLM registered a dtype here
+    assert saved["prompt"]["prompts"][0]["keys"] == live["prompts"][0]["keys"] == PROMPT_KEYS
+    for manifest in saved.values():  # fs and resp hold the very bytes L1 holds
+        assert sorted((c["key"], c["blake3"], c["metadata"]) for c in manifest["chunks"]) == \
+            sorted((c["key"], c["blake3"], c["metadata"]) for c in live["chunks"])
+
+    b.clear()
+    result, report = b.kvctl("snapshot", "load", tmp_path / "prompt.kvsnap")
+    assert result.code == 0 and report["written"] == {"cpu": 3}, result.stderr
+    served = b.holder.ask("retrieve", PROMPT)
+    assert served["hit_chunks"] == 3 and served["checksums"] == l2_stack["stored"]
+
+
+@pytest.mark.slow
+def test_an_mp_configuration_refuses_what_it_cannot_take_with_nothing_written(nodes, snapshot_of_a, l2_stack,
+                                                                              tmp_path):
+    path, _, _ = snapshot_of_a
+    w = l2_stack["w"]
+    before = (w.files(), w.values())
+    for tier in ("disk", "redis"):  # its server runs: it would not account for what is written behind its back
+        result, _ = w.kvctl("snapshot", "load", path, "--tier", tier)
+        assert result.code == 2 and f"running at {w.http}" in result.stderr, result.stderr
+        assert f"--instance {w.http}" in result.stderr
+    result, _ = w.kvctl("snapshot", "load", path, "--tier", "cpu")
+    assert result.code == 2 and "hint: the MP server's L1 (cpu) lives in a running server" in result.stderr
+    assert (w.files(), w.values()) == before and not [p for p in w.l2.iterdir() if "partial" in p.name]
+
+    other = tmp_path / "other"
+    configure(other, "cpu:0.05", f"disk:{tmp_path}/other-l2", chunk=128)
+    result = run_cli("snapshot", "load", path, "--config", other)
+    assert result.code == 2 and "chunk size 256" in result.stderr and "128" in result.stderr, result.stderr
+    assert not (tmp_path / "other-l2").exists()
+
+    inprocess = tmp_path / "inprocess"  # a chunk-keyed snapshot, saved from an in-process configuration's disk
+    assert run_cli("config", "init", "--out", inprocess, "--tier", f"disk:{tmp_path}/disk", "--model", MODEL).code == 0
+    key = "test-model@1@0@1f@half"
+    (tmp_path / "disk").mkdir(exist_ok=True)
+    (tmp_path / "disk" / f"{key}.pt").write_bytes(b"\1" * 64)
+    saved = run_cli("snapshot", "save", "--tier", "disk", "--all", "--config", inprocess, "--kv-dtype", "float16",
+                    "-o", tmp_path / "chunk.kvsnap")
+    assert saved.code == 0, saved.stderr
+    result = run_cli("snapshot", "load", tmp_path / "chunk.kvsnap", "--config", other)
+    lines = result.stderr.splitlines()
+    assert result.code == 2 and "keyed by an LMCache chunk key" in lines[0] and lines[1].startswith("hint:"), lines
+    assert not (tmp_path / "other-l2").exists()
