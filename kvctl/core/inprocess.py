@@ -343,6 +343,9 @@ class InProcessInstance(ChunkKeyed):
         (no room on a full disk tier, a failed remote put)."""
         return write_chunks(self.worker0, chunks, tier)
 
+    def stages_writes(self, tier: str | None = None) -> bool:
+        return False  # each request's chunks are stored as it is answered
+
 
 def _typed_pin(entry: dict[str, Any]):
     from kvctl.core.instance import Pin

@@ -303,6 +303,10 @@ class Instance(Protocol):
         """Store the chunks on `tier` (None: the instance's first); {"written": {tier: n}, "already":
         {tier: n}} (chunks the tier held before, left as they were)."""
 
+    def stages_writes(self, tier: str | None = None) -> bool:
+        """Whether write_chunks on `tier` makes no chunk visible before its chunks ran out without an
+        error: a snapshot load then checks checksums while it writes, else all of them first."""
+
 
 class ChunkKeyed:
     """An instance whose chunks are stored under LMCache's in-process chunk keys (an engine, or a

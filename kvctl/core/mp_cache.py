@@ -347,3 +347,6 @@ class MPInstance:
                              "policy copies them on", hint="drop --tier (or pass --tier cpu)")
         with MPServerClient(self.address.mp_http) as server:
             return batched_writes(chunks, lambda _to, body: server.write_chunks(body))
+
+    def stages_writes(self, tier: str | None = None) -> bool:
+        return False  # each request's chunks are stored as it is answered

@@ -45,7 +45,7 @@ from kvctl.core.listing import (
 )
 from kvctl.core.target import DISK_SUFFIXES, Deployment, Store, Target, read_deployment, target_from_config
 
-READ_BATCH = 64  # chunks read (and held in memory) at a time when saving a snapshot
+READ_BATCH = 64  # disk chunks read (and held in memory) at a time to pair with their Redis metadata
 PROBE_TIMEOUT_S = 1.0  # a running engine answers on loopback at once; a stopped one refuses at once
 CPU_HINT = "the CPU tier lives in a running engine: use --instance"
 L1_HINT = "the MP server's L1 (cpu) lives in a running server: load through it with --instance URL"
@@ -76,10 +76,13 @@ class DirectoryStore:
 
     def held(self, keys: Sequence[str]) -> list[str]:
         """Read afresh each time: a plan's execute() sees what is there by then."""
+        names = self._file_names()
+        return [key for key in keys if self.file_name(key) in names]
+
+    def _file_names(self) -> set[str]:
         from kvctl.clients.disk_tier import DiskTier
 
-        names = DiskTier(self.store.directories, DISK_SUFFIXES[self.store.layout]).names()
-        return [key for key in keys if self.file_name(key) in names]
+        return set(DiskTier(self.store.directories, DISK_SUFFIXES[self.store.layout]).names())
 
     def remove(self, keys: Sequence[str]) -> list[str]:
         """Unlink each chunk's file by its name (a symlink goes, never what it points to); a key counts
@@ -112,22 +115,34 @@ class DirectoryStore:
                     yield StoredChunk(key, data)
                     break
 
-    def write(self, chunks: list[StoredChunk]) -> tuple[int, int]:
-        """(written, already there): each chunk to a temporary file renamed to its name once whole, so
-        LMCache never indexes half a chunk; a chunk some directory already holds is left as it is."""
+    def write(self, chunks: Iterable[StoredChunk]) -> tuple[int, int]:
+        """(written, already there): every chunk to a hidden temporary file, all renamed to their names
+        only once the chunks ran out without an error (a snapshot's checksums are checked as they come),
+        so LMCache never indexes half a chunk nor one of a refused load; a chunk some directory already
+        holds is left as it is."""
         directory = self.store.directories[0]
         os.makedirs(directory, exist_ok=True)
-        held = set(self.held([chunk.key for chunk in chunks]))
-        written = 0
-        for chunk in chunks:
-            if chunk.key in held:
-                continue
-            name = self.file_name(chunk.key)
-            partial = f".{name}.{secrets.token_hex(4)}.kvctl-partial"  # one a killed load left stays out of the way
-            _write_whole(os.path.join(directory, name), os.path.join(directory, partial), chunk.data)
-            written += 1
-        return written, len(held)
-
+        present = self._file_names()
+        staged: list[tuple[str, str]] = []  # (temporary file, chunk file)
+        already = 0
+        try:
+            for chunk in chunks:
+                name = self.file_name(chunk.key)
+                if name in present:
+                    already += 1
+                    continue
+                present.add(name)
+                partial = os.path.join(directory, f".{name}.{secrets.token_hex(4)}.kvctl-partial")
+                staged.append((partial, os.path.join(directory, name)))
+                _write_new(partial, chunk.data)
+            for partial, path in staged:
+                _renamed(partial, path)
+        except BaseException:
+            for partial, _path in staged:
+                with contextlib.suppress(OSError):
+                    os.unlink(partial)
+            raise
+        return len(staged), already
 
 class RedisStore:
     """The in-process Redis tier (two names per chunk, removed together) or the MP resp L2 adapter
@@ -172,11 +187,12 @@ class RedisStore:
         return [StoredChunk(chunk.key, chunk.data, header) if header else chunk
                 for chunk, header in zip(chunks, headers)]
 
-    def write(self, chunks: list[StoredChunk]) -> tuple[int, int]:
+    def write(self, chunks: Iterable[StoredChunk]) -> tuple[int, int]:
         """(written, already there): the data name first and the metadata name last, as LMCache writes them,
         so a reader that sees the metadata finds the data (MP: the one name, the object's bytes)."""
         from kvctl.clients.redis_tier import RedisTier
 
+        chunks = list(chunks)
         held = set(self.held([chunk.key for chunk in chunks]))
         going = [chunk for chunk in chunks if chunk.key not in held]
         bare = next((chunk.key for chunk in going if not chunk.metadata), None) if self.headers else None
@@ -388,9 +404,11 @@ class OfflineInstance:
         redis = next((store for store in stores if isinstance(store, RedisStore)), None)
         for store in stores:
             held = store.held(remaining)
-            for start in range(0, len(held), READ_BATCH):
-                chunks = list(store.read(held[start:start + READ_BATCH]))
-                yield from chunks if redis is None or store is redis else redis.with_metadata(chunks)
+            if redis is None or store is redis:
+                yield from store.read(held)  # one chunk at a time: a batch held in memory made a save twice as slow
+            else:
+                for start in range(0, len(held), READ_BATCH):
+                    yield from redis.with_metadata(list(store.read(held[start:start + READ_BATCH])))
             taken = set(held)
             remaining = [key for key in remaining if key not in taken]
 
@@ -413,8 +431,13 @@ class OfflineInstance:
                        else "it would not see chunks written behind its back until restarted")
                 raise UsageError(f"an engine of this configuration is running at {url}: {why}",
                                  hint=f"load through it: --instance {url}")
-        written, already = stores[tier].write(list(chunks))
+        written, already = stores[tier].write(chunks)
         return {"written": {tier: written}, "already": {tier: already}}
+
+    def stages_writes(self, tier: str | None = None) -> bool:
+        """A disk directory's are (DirectoryStore.write); Redis's are not."""
+        chosen = next((store for store in self._snapshot_stores() if tier in (None, store.tier)), None)
+        return isinstance(chosen, DirectoryStore)
 
     def _snapshot_stores(self) -> list[DirectoryStore | RedisStore]:
         stores = [chunk_store(store) for store in self.deployment.stores]
@@ -455,18 +478,26 @@ def _read_regular(path: str) -> bytes | None:
         return file.read() if stat.S_ISREG(os.fstat(fd).st_mode) else None
 
 
-def _write_whole(path: str, partial: str, data: bytes | memoryview) -> None:
-    """Write to `partial` (created afresh, never through a link) and rename it to `path`."""
+def _write_new(partial: str, data: bytes | memoryview) -> None:
+    """Write `partial`, created afresh (never through a link)."""
     try:
         fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         with os.fdopen(fd, "wb") as file:
             file.write(data)
+    except OSError as error:
+        raise _write_error(partial, error) from None
+
+
+def _renamed(partial: str, path: str) -> None:
+    try:
         os.rename(partial, path)
     except OSError as error:
-        with contextlib.suppress(OSError):
-            os.unlink(partial)
-        raise KvctlError(f"cannot write {path}: {error.strerror}",
-                         hint="check the disk tier directory's free space and permissions") from None
+        raise _write_error(path, error) from None
+
+
+def _write_error(path: str, error: OSError) -> KvctlError:
+    return KvctlError(f"cannot write {path}: {error.strerror}",
+                      hint="check the disk tier directory's free space and permissions")
 
 
 def _alive(pid: Any) -> bool:

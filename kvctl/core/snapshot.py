@@ -10,8 +10,9 @@ the speed of copying the bytes.
 
 Saving reads the chunks through the instance (a live engine's routes, or a configuration's disk
 directory and Redis) into a temporary file that becomes the snapshot only when complete. Loading
-refuses a target that would make other keys, verifies every checksum before writing anything, writes
-through the instance and reports per prompt what is now cached.
+refuses a target that would make other keys, writes through the instance only what matched its
+checksum (every checksum first, or, where the instance stages its writes as a disk directory does,
+while it writes, made visible only once all matched) and reports per prompt what is now cached.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ KEY_FORMATS = {  # an instance's `key_format` -> one key of it, for messages (a 
     "mp-object": "an MP object key",  # an LMCache MP server's: model@kv_rank@group@hash[@salt]
 }
 CHECKSUM = re.compile(r"[0-9a-f]{64}").fullmatch  # a BLAKE3 digest, hex
-VERIFYING_THREADS = 2  # blake3 lets go of the GIL: a load checks every chunk on both cores before it writes
+VERIFYING_THREADS = 2  # blake3 lets go of the GIL: a load checks chunks on both cores (ahead of staged writes)
 IN_FLIGHT = 16  # chunks held in memory while their checksums are computed
 LS_HINT = "kvctl snapshot ls FILE shows what it holds and what made its keys"
 
@@ -272,8 +273,9 @@ class Snapshot:
         offset, size = self._extents[entry.member]
         return memoryview(self._map)[offset:offset + size]
 
-    def verify(self) -> None:
-        """Every chunk's checksum against the manifest."""
+    def verified_chunks(self) -> Iterator[StoredChunk]:
+        """The chunks in order, each yielded once its checksum matched the manifest's (computed ahead on
+        other threads); the first that does not raises, and none after it is yielded."""
         def digest(entry: ChunkEntry) -> tuple[ChunkEntry, str]:
             return entry, checksum(self.view(entry))
 
@@ -281,10 +283,8 @@ class Snapshot:
             for entry, found in pool.map(digest, self.manifest.chunks):
                 if found != entry.blake3:
                     raise self._bad(f"the checksum of chunk {entry.key} does not match (the file was changed)")
-
-    def chunks(self) -> Iterator[StoredChunk]:
-        for entry in self.manifest.chunks:
-            yield StoredChunk(entry.key, self.view(entry), bytes.fromhex(entry.metadata) if entry.metadata else None)
+                metadata = bytes.fromhex(entry.metadata) if entry.metadata else None
+                yield StoredChunk(entry.key, self.view(entry), metadata)
 
 
 def parse_manifest(data: Any, extents: dict[str, tuple[int, int]], bad) -> Manifest:
@@ -405,12 +405,14 @@ def check_compatible(snapshot: Snapshot, instance, model: str | None) -> None:
 
 
 def load(path: Path, instance, tier: str | None = None, model: str | None = None) -> LoadReport:
-    """Check, verify, then write the snapshot's chunks; nothing is written unless every check passes."""
+    """Check, verify, then write the snapshot's chunks; nothing becomes visible unless every check passes."""
     with Snapshot(path) as snapshot:
         check_compatible(snapshot, instance, model)
-        snapshot.verify()
         manifest = snapshot.manifest
-        written = instance.write_chunks(snapshot.chunks(), tier)
+        chunks = snapshot.verified_chunks()
+        if not instance.stages_writes(tier):
+            chunks = list(chunks)  # every checksum checked before the first chunk leaves
+        written = instance.write_chunks(chunks, tier)
     if instance.settle_s and manifest.prompts:
         time.sleep(instance.settle_s)
     prompts = []

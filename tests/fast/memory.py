@@ -215,6 +215,9 @@ class MemoryInstance(ChunkKeyed):
             written += 1
         return {"written": {store.tier: written}, "already": {store.tier: already}}
 
+    def stages_writes(self, tier: str | None = None) -> bool:
+        return False  # each chunk is stored as it comes
+
 
 def chunk_bytes(key: str) -> bytes:
     """What a stored chunk holds unless written otherwise: its key's bytes, repeated to CHUNK_BYTES."""
