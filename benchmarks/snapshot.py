@@ -1,9 +1,9 @@
 """`kvctl snapshot save` and `load` throughput for 1 GiB of chunks, against copying the same bytes.
 
 Disk: a configuration's disk directory holds 1 GiB of chunk files (LocalDiskBackend's names and sizes);
-kvctl saves them into one snapshot (SHA-256 per chunk) and loads that into another configuration's
-empty disk directory (every checksum verified first, each chunk written whole and renamed), each
-against `cp -r` of the chunk directory. Redis: the same chunks in a redis-server on 127.0.0.1 (both
+kvctl saves them into one snapshot (BLAKE3 per chunk) and loads that into another configuration's
+empty disk directory (each chunk written under a hidden name as its checksum is verified, all renamed
+once every one matched), each against `cp -r` of the chunk directory. Redis: the same chunks in a redis-server on 127.0.0.1 (both
 of LMCache's names per chunk), saved from and loaded into it (an emptied database): the load against
 `redis-benchmark -P 16 -t set` with values of the chunk size, the save against pipelined GETs of the
 same names (redis-benchmark's GET would read keys its own SET run wrote, mostly missing ones). The
