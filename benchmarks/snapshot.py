@@ -3,10 +3,11 @@
 Disk: a configuration's disk directory holds 1 GiB of chunk files (LocalDiskBackend's names and sizes);
 kvctl saves them into one snapshot (BLAKE3 per chunk) and loads that into another configuration's
 empty disk directory (each chunk written under a hidden name as its checksum is verified, all renamed
-once every one matched), each against `cp -r` of the chunk directory. Redis: the same chunks in a redis-server on 127.0.0.1 (both
-of LMCache's names per chunk), saved from and loaded into it (an emptied database): the load against
-`redis-benchmark -P 16 -t set` with values of the chunk size, the save against pipelined GETs of the
-same names (redis-benchmark's GET would read keys its own SET run wrote, mostly missing ones). The
+once every one matched), each against `cp -r` of the chunk directory. Redis: the same chunks in a
+redis-server on 127.0.0.1 (both of LMCache's names per chunk), saved from and loaded into it (an
+emptied database): the load against `redis-benchmark -P 16 -t set` with values of the chunk size, the
+save against pipelined GETs of the same names (redis-benchmark's GET would read keys its own SET run
+wrote, mostly missing ones). The
 page cache is warm and no writeback pending at the start of every run; each figure is the best of
 five (this machine's disk throughput varies up to 2x from run to run). Goal (issue: beyond every
 peer): every ratio >= 0.5. The last line holds the figures.

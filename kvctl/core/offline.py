@@ -82,7 +82,7 @@ class DirectoryStore:
     def _file_names(self) -> set[str]:
         from kvctl.clients.disk_tier import DiskTier
 
-        return set(DiskTier(self.store.directories, DISK_SUFFIXES[self.store.layout]).names())
+        return DiskTier(self.store.directories, DISK_SUFFIXES[self.store.layout]).names()  # a set of its own
 
     def remove(self, keys: Sequence[str]) -> list[str]:
         """Unlink each chunk's file by its name (a symlink goes, never what it points to); a key counts
@@ -132,9 +132,10 @@ class DirectoryStore:
                     already += 1
                     continue
                 present.add(name)
+                path = os.path.join(directory, name)
                 partial = os.path.join(directory, f".{name}.{secrets.token_hex(4)}.kvctl-partial")
-                staged.append((partial, os.path.join(directory, name)))
-                _write_new(partial, chunk.data)
+                staged.append((partial, path))
+                _write_new(path, partial, chunk.data)
             for partial, path in staged:
                 _renamed(partial, path)
         except BaseException:
@@ -143,6 +144,7 @@ class DirectoryStore:
                     os.unlink(partial)
             raise
         return len(staged), already
+
 
 class RedisStore:
     """The in-process Redis tier (two names per chunk, removed together) or the MP resp L2 adapter
@@ -478,14 +480,14 @@ def _read_regular(path: str) -> bytes | None:
         return file.read() if stat.S_ISREG(os.fstat(fd).st_mode) else None
 
 
-def _write_new(partial: str, data: bytes | memoryview) -> None:
-    """Write `partial`, created afresh (never through a link)."""
+def _write_new(path: str, partial: str, data: bytes | memoryview) -> None:
+    """Write `path`'s bytes to `partial`, created afresh (never through a link)."""
     try:
         fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         with os.fdopen(fd, "wb") as file:
             file.write(data)
     except OSError as error:
-        raise _write_error(partial, error) from None
+        raise _write_error(path, error) from None
 
 
 def _renamed(partial: str, path: str) -> None:
