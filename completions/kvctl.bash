@@ -29,6 +29,7 @@ _kvctl_complete() {
             "|quota") kv_path="quota"; continue ;;
             "|reconfigure") kv_path="reconfigure"; continue ;;
             "|checksums") kv_path="checksums"; continue ;;
+            "|plugins") kv_path="plugins"; continue ;;
             "|doctor") kv_path="doctor"; continue ;;
             "|version") kv_path="version"; continue ;;
             "|model") kv_path="model"; continue ;;
@@ -56,6 +57,8 @@ _kvctl_complete() {
             "reconfigure|add") kv_path="reconfigure add"; continue ;;
             "reconfigure|remove") kv_path="reconfigure remove"; continue ;;
             "reconfigure|resize") kv_path="reconfigure resize"; continue ;;
+            "plugins|enable") kv_path="plugins enable"; continue ;;
+            "plugins|disable") kv_path="plugins disable"; continue ;;
             "model|tiny") kv_path="model tiny"; continue ;;
             "completion|show") kv_path="completion show"; continue ;;
             "completion|install") kv_path="completion install"; continue ;;
@@ -108,6 +111,9 @@ _kvctl_complete() {
             "reconfigure remove") valued=" --device --mode --adapter --tier --instance --state --inventory --format " ;;
             "reconfigure resize") valued=" --device --size --mode --adapter --instance --state --inventory --format " ;;
             "checksums") valued=" --blocks --chunk-size --worker --instance --state --inventory --format " ;;
+            "plugins") valued=" --format " ;;
+            "plugins enable") valued=" --kv-transfer-config --format " ;;
+            "plugins disable") valued=" --kv-transfer-config --format " ;;
             "doctor") valued=" --instance --state --inventory --config --timeout --format " ;;
             "version") valued=" --format " ;;
             "model") valued=" --format " ;;
@@ -399,6 +405,11 @@ _kvctl_complete() {
             "checksums|--state") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "checksums|--inventory") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "checksums|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
+            "plugins|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
+            "plugins enable|--kv-transfer-config") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "plugins enable|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
+            "plugins disable|--kv-transfer-config") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "plugins disable|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
             "doctor|--instance") COMPREPLY=($(kvctl complete-values instances "$cur" 2>/dev/null)); return ;;
             "doctor|--state") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "doctor|--inventory") COMPREPLY=($(compgen -f -- "$cur")); return ;;
@@ -463,6 +474,9 @@ _kvctl_complete() {
             "reconfigure remove") words="--device --mode --force --adapter --tier --dry-run --yes -y --instance --state --inventory --format --debug -q --quiet -h --help" ;;
             "reconfigure resize") words="--device --size --mode --force --adapter --dry-run --yes -y --instance --state --inventory --format --debug -q --quiet -h --help" ;;
             "checksums") words="--blocks --chunk-size --worker --layerwise --instance --state --inventory --format --debug -q --quiet -h --help" ;;
+            "plugins") words="--format --debug -q --quiet -h --help" ;;
+            "plugins enable") words="--kv-transfer-config --dry-run --yes -y --format --debug -q --quiet -h --help" ;;
+            "plugins disable") words="--kv-transfer-config --dry-run --yes -y --format --debug -q --quiet -h --help" ;;
             "doctor") words="--instance --state --inventory --config --timeout --format --debug -q --quiet -h --help" ;;
             "version") words="--format --debug -q --quiet -h --help" ;;
             "model") words="--format --debug -q --quiet -h --help" ;;
@@ -473,7 +487,7 @@ _kvctl_complete() {
         esac
     else
         case "$kv_path" in
-            "") words="config serve prewarm lookup keys ls pin unpin pins snapshot evict health stats top freeze hot-cache backends conf chunk-stats quota reconfigure checksums doctor version model completion" ;;
+            "") words="config serve prewarm lookup keys ls pin unpin pins snapshot evict health stats top freeze hot-cache backends conf chunk-stats quota reconfigure checksums plugins doctor version model completion" ;;
             "config") words="init validate show" ;;
             "config validate") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "config show") COMPREPLY=($(compgen -f -- "$cur")); return ;;
@@ -500,6 +514,7 @@ _kvctl_complete() {
             "quota set") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "quota rm") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "reconfigure") words="status add remove resize" ;;
+            "plugins") words="enable disable" ;;
             "model") words="tiny" ;;
             "model tiny") COMPREPLY=($(compgen -d -- "$cur")); return ;;
             "completion") words="show install" ;;

@@ -76,6 +76,9 @@ function __kvctl_path
             case '|checksums'
                 set kv_path 'checksums'
                 continue
+            case '|plugins'
+                set kv_path 'plugins'
+                continue
             case '|doctor'
                 set kv_path 'doctor'
                 continue
@@ -156,6 +159,12 @@ function __kvctl_path
                 continue
             case 'reconfigure|resize'
                 set kv_path 'reconfigure resize'
+                continue
+            case 'plugins|enable'
+                set kv_path 'plugins enable'
+                continue
+            case 'plugins|disable'
+                set kv_path 'plugins disable'
                 continue
             case 'model|tiny'
                 set kv_path 'model tiny'
@@ -261,6 +270,12 @@ function __kvctl_path
                 set valued --device --size --mode --adapter --instance --state --inventory --format
             case 'checksums'
                 set valued --blocks --chunk-size --worker --instance --state --inventory --format
+            case 'plugins'
+                set valued --format
+            case 'plugins enable'
+                set valued --kv-transfer-config --format
+            case 'plugins disable'
+                set valued --kv-transfer-config --format
             case 'doctor'
                 set valued --instance --state --inventory --config --timeout --format
             case 'version'
@@ -310,6 +325,7 @@ complete -c kvctl -f -n '__kvctl_at '\'''\''' -a chunk-stats -d 'LMCache'\''s ch
 complete -c kvctl -f -n '__kvctl_at '\'''\''' -a quota -d 'An MP server'\''s soft per-cache_salt quotas (its L2 IsolatedLRU...'
 complete -c kvctl -f -n '__kvctl_at '\'''\''' -a reconfigure -d 'An MP server'\''s storage at runtime: add, remove and resize...'
 complete -c kvctl -f -n '__kvctl_at '\'''\''' -a checksums -d 'MD5 per chunk of the KV cache blocks a worker registered with an MP...'
+complete -c kvctl -f -n '__kvctl_at '\'''\''' -a plugins -d 'Load kvctl'\''s plugins into a deployment kvctl did not launch (its...'
 complete -c kvctl -f -n '__kvctl_at '\'''\''' -a doctor -d 'Why would this deployment miss? What splits keys, overrides files,...'
 complete -c kvctl -f -n '__kvctl_at '\'''\''' -a version -d 'Show the versions of kvctl, LMCache, vLLM, torch and Python, and...'
 complete -c kvctl -f -n '__kvctl_at '\'''\''' -a model -d 'Models kvctl builds for offline use.'
@@ -804,6 +820,26 @@ complete -c kvctl -n '__kvctl_at '\''checksums'\''' -l format -x -a 'table json'
 complete -c kvctl -n '__kvctl_at '\''checksums'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
 complete -c kvctl -n '__kvctl_at '\''checksums'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
 complete -c kvctl -n '__kvctl_at '\''checksums'\''' -s h -l help -d 'Show help and exit.'
+complete -c kvctl -f -n '__kvctl_at '\''plugins'\''' -a enable -d 'Make vLLM load kvctl'\''s plugins: adds "kv_connector_module_path":...'
+complete -c kvctl -f -n '__kvctl_at '\''plugins'\''' -a disable -d 'Make vLLM load LMCache'\''s connector alone again: removes kvctl'\''s...'
+complete -c kvctl -n '__kvctl_at '\''plugins'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
+complete -c kvctl -n '__kvctl_at '\''plugins'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
+complete -c kvctl -n '__kvctl_at '\''plugins'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
+complete -c kvctl -n '__kvctl_at '\''plugins'\''' -s h -l help -d 'Show help and exit.'
+complete -c kvctl -n '__kvctl_at '\''plugins enable'\''' -l kv-transfer-config -r -F -d 'The deployment'\''s kv-transfer-config: a JSON file (changed in place after a confirmation), or the JSON value its vLLM command line passes (printed changed, nothing written).'
+complete -c kvctl -n '__kvctl_at '\''plugins enable'\''' -l dry-run -d 'Show the change; write nothing.'
+complete -c kvctl -n '__kvctl_at '\''plugins enable'\''' -l yes -s y -d 'Write the file without asking.'
+complete -c kvctl -n '__kvctl_at '\''plugins enable'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
+complete -c kvctl -n '__kvctl_at '\''plugins enable'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
+complete -c kvctl -n '__kvctl_at '\''plugins enable'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
+complete -c kvctl -n '__kvctl_at '\''plugins enable'\''' -s h -l help -d 'Show help and exit.'
+complete -c kvctl -n '__kvctl_at '\''plugins disable'\''' -l kv-transfer-config -r -F -d 'The deployment'\''s kv-transfer-config: a JSON file (changed in place after a confirmation), or the JSON value its vLLM command line passes (printed changed, nothing written).'
+complete -c kvctl -n '__kvctl_at '\''plugins disable'\''' -l dry-run -d 'Show the change; write nothing.'
+complete -c kvctl -n '__kvctl_at '\''plugins disable'\''' -l yes -s y -d 'Write the file without asking.'
+complete -c kvctl -n '__kvctl_at '\''plugins disable'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
+complete -c kvctl -n '__kvctl_at '\''plugins disable'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
+complete -c kvctl -n '__kvctl_at '\''plugins disable'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
+complete -c kvctl -n '__kvctl_at '\''plugins disable'\''' -s h -l help -d 'Show help and exit.'
 complete -c kvctl -n '__kvctl_at '\''doctor'\''' -l instance -x -a '(kvctl complete-values instances (commandline -ct))' -d ''\''all'\'' (every instance of the inventory), an inventory or '\''kvctl serve --name'\'' name, or a URL (worker 0'\''s internal API, or the lmcache server'\''s HTTP API; default: the most recent kvctl serve).'
 complete -c kvctl -n '__kvctl_at '\''doctor'\''' -l state -r -F -d 'The state file of a '\''kvctl serve'\'' (default: the most recent one).'
 complete -c kvctl -n '__kvctl_at '\''doctor'\''' -l inventory -r -F -d 'A kvctl.yaml fleet inventory (default: $KVCTL_INVENTORY, ./kvctl.yaml, ~/.config/kvctl/kvctl.yaml).'

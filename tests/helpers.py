@@ -121,11 +121,13 @@ def stop_process(proc: subprocess.Popen, grace: float = 10) -> None:
 
 
 class Answers200(BaseHTTPRequestHandler):
-    """Answers 200 "ok" to every GET and POST, and records (and prints) each request line: a stand-in
-    for whatever wrongly answers on a port, a proxy included."""
+    """Answers 200 "ok" to every GET and POST, and records (and prints) each request line and the
+    Authorization it carried: a stand-in for whatever wrongly answers on a port, a proxy or a stranger
+    included."""
 
     def do_GET(self):  # noqa: N802 - http.server's name
         self.server.requests.append(self.requestline)
+        self.server.authorizations.append(self.headers.get("Authorization"))
         print(self.requestline, flush=True)
         self.send_response(200)
         self.send_header("Content-Length", "2")
@@ -140,7 +142,7 @@ class Answers200(BaseHTTPRequestHandler):
 
 def answer_200_forever(port: int) -> None:
     server = ThreadingHTTPServer(("127.0.0.1", port), Answers200)
-    server.requests = []
+    server.requests, server.authorizations = [], []
     server.serve_forever()
 
 
@@ -150,7 +152,7 @@ def proxy_answering_200(monkeypatch):
     import threading
 
     server = ThreadingHTTPServer(("127.0.0.1", free_port()), Answers200)
-    server.requests = []
+    server.requests, server.authorizations = [], []
     threading.Thread(target=server.serve_forever, daemon=True).start()
     with monkeypatch.context() as patch:
         for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
@@ -179,15 +181,20 @@ def start_vllm(model_dir, log: Path, port: int, extra: list[str] = (), env: dict
     return start_process(argv, log, {"VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})})
 
 
+def standalone_argv(config_dir: Path, chunk: int = 256, model: str = "tiny", world_size: int = 1,
+                    worker_id: int = 0, plugins: bool = True) -> list[str]:
+    """LMCache's standalone engine (real LMCacheEngine, MockGPUConnector), with kvctl's plugins loaded or
+    stock; one rank of a tensor-parallel engine when `world_size` > 1 (its API on port_start + 1 + worker_id)."""
+    return [sys.executable, "-m", "kvctl_plugins.standalone" if plugins else "lmcache.v1.standalone",
+            "--config", str(config_dir / "lmcache.yaml"), "--model-name", model,
+            "--kv-shape", f"2,2,{chunk},2,32", "--kvcache-shape-spec", "(4096,2,32):float16:2",
+            "--kv-dtype", "float16", "--world-size", str(world_size), "--worker-id", str(worker_id)]
+
+
 def start_standalone_engine(config_dir: Path, log: Path, chunk: int = 256, model: str = "tiny", world_size: int = 1,
                             worker_id: int = 0, env: dict | None = None) -> subprocess.Popen:
-    """LMCache's standalone engine (real LMCacheEngine, MockGPUConnector) with kvctl's plugins loaded; one
-    rank of a tensor-parallel engine when `world_size` > 1 (its API on port_start + 1 + worker_id)."""
-    return start_process([sys.executable, "-m", "kvctl_plugins.standalone",
-                          "--config", str(config_dir / "lmcache.yaml"), "--model-name", model,
-                          "--kv-shape", f"2,2,{chunk},2,32", "--kvcache-shape-spec", "(4096,2,32):float16:2",
-                          "--kv-dtype", "float16", "--world-size", str(world_size),
-                          "--worker-id", str(worker_id)], log, env)
+    """A standalone engine with kvctl's plugins (standalone_argv), started."""
+    return start_process(standalone_argv(config_dir, chunk, model, world_size, worker_id), log, env)
 
 
 def edit_yaml(path: Path, **changes) -> None:

@@ -62,6 +62,8 @@ COMMANDS: list[tuple[str, str, str, bool, str]] = [
      "devices (L2 adapter, L1 arenas)."),
     ("checksums", "mp_admin", "checksums", False, "MD5 per chunk of the KV cache blocks a worker registered with an "
      "MP server holds."),
+    ("plugins", "plugins", "app", True, "Load kvctl's plugins into a deployment kvctl did not launch (its vLLM "
+     "--kv-transfer-config)."),
     ("doctor", "doctor", "doctor", False, "Why would this deployment miss? What splits keys, overrides files, "
      "wastes tiers or exposes routes."),
     ("version", "version", "version", False, "Show the versions of kvctl, LMCache, vLLM, torch and Python, and "

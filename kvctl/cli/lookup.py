@@ -101,7 +101,8 @@ def render_lookup(result) -> list:
         rows.append((chunk.index, f"{chunk.start}-{chunk.end}", tiers or "-", chunk.key))
     hits = result.hit_tokens
     summary = (f"hit tokens: {hits['total']} of {result.prompt_tokens} "
-               f"(cpu {hits['cpu']}, disk {hits['disk']}, redis {hits['redis']}); tiers checked: "
+               + "(" + ", ".join(f"{tier} {'-' if hits[tier] is None else hits[tier]}" for tier in marks)
+               + "); tiers checked: "
                f"{', '.join(result.tiers_checked) or 'none'}")
     items: list = [Table(["chunk", "tokens", " ".join(marks[t] for t in result.tiers_checked) or "tiers", "key"], rows,
                          title=f"{result.model} ({result.mode}, chunk {result.chunk_size})", caption=summary)]

@@ -6,12 +6,34 @@ server error (5). Subclasses name their server and the hints that fit it.
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 from kvctl_plugins.wire import ERROR_CODE, ERROR_MESSAGE, PREFIX, TOKEN_VARIABLE  # the routes' contract
 
-from kvctl.core.errors import RejectedError, ServerError, UnreachableError
+from kvctl.core.errors import RejectedError, RoutesAbsent, ServerError, UnreachableError
+
+
+class RoutesTokens:
+    """Which management server gets which routes token. An instance's token is granted to its own
+    servers' URLs when the instance is resolved (kvctl.core.instances) and to nothing else, so vLLM's
+    /tokenize, a coordinator or another fleet member never receives it."""
+
+    def __init__(self) -> None:
+        self._tokens: dict[str, str] = {}
+
+    def grant(self, url: str, token: str | None) -> None:
+        if token:
+            self._tokens[url.rstrip("/")] = token
+
+    def share(self, url: str, derived: str) -> None:
+        """A URL derived from another of the same instance (worker r's from worker 0's) gets its token."""
+        self.grant(derived, self._tokens.get(url.rstrip("/")))
+
+    def get(self, url: str) -> str | None:
+        return self._tokens.get(url.rstrip("/"))
+
+
+routes_tokens = RoutesTokens()
 
 
 class HTTPClient:
@@ -19,12 +41,15 @@ class HTTPClient:
     unreachable_hint = "check that the server runs and the URL"
     no_routes_hint = "start the server with kvctl's plugins (kvctl serve)"
     log_hint = "check the server's log"
+    # An instance's own management server (internal API, MP server) gets the instance's routes token on
+    # every request: kvctl's routes want it, and beyond loopback so do LMCache's own routes beside them.
+    carries_routes_token = False
 
     def __init__(self, url: str, timeout: float) -> None:
         import httpx
 
         self.url = url.rstrip("/")
-        token = os.environ.get(TOKEN_VARIABLE)
+        token = routes_tokens.get(self.url) if self.carries_routes_token else None
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         # trust_env=False: kvctl's servers are local, and prompts' token ids never go through a proxy
         if url.startswith("unix:"):  # unix:/path/to/socket
@@ -55,10 +80,12 @@ class HTTPClient:
             return response
         payload = _payload(response)
         if response.status_code == 404 and path.startswith(PREFIX) and _is_route_missing(payload):
-            raise RejectedError(f"{self.url} has no kvctl routes (HTTP 404 for {path})", hint=self.no_routes_hint)
+            raise RoutesAbsent(f"{self.url} has no kvctl routes: {method} {path} is missing (LMCache's own server "
+                               "without kvctl's plugins)", hint=self.no_routes_hint)
         if response.status_code == 401 and path.startswith(PREFIX):
             raise RejectedError(f"{self.url} wants a bearer token for kvctl's routes: {_message(payload)}",
-                                hint=f"set {TOKEN_VARIABLE} (source the configuration's env.sh) and retry")
+                                hint=f"set {TOKEN_VARIABLE} (source the configuration's env.sh) for an instance "
+                                "named by URL, or give its inventory entry token_file: or env_file:")
         if response.status_code < 500:
             raise RejectedError(f"{self.url} rejected {method} {path}: {_message(payload)}",
                                 hint="check the request; the server's message says what it wants")

@@ -23,6 +23,7 @@ class InternalAPIClient(HTTPClient):
     no_routes_hint = ("start the engine with kvctl's plugins: kvctl serve, or "
                       "kv_connector_module_path=kvctl_plugins.vllm_connector")
     log_hint = "check the engine's log"
+    carries_routes_token = True
 
     def __init__(self, url: str, timeout: float = TIMEOUT_S) -> None:
         super().__init__(url, timeout)

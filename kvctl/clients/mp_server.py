@@ -21,6 +21,7 @@ class MPServerClient(HTTPClient):
     no_routes_hint = ("start the server with kvctl's routes: kvctl serve --mode mp, or add "
                       "--server-module '{\"module_path\": \"kvctl_plugins.mp_routes\"}' to lmcache server")
     log_hint = "check the LMCache server's log"
+    carries_routes_token = True
 
     def __init__(self, url: str, timeout: float = TIMEOUT_S) -> None:
         super().__init__(url, timeout)

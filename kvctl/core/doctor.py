@@ -350,9 +350,46 @@ def redis_findings(url, instance: str | None = None) -> list[Finding]:
 # -- exposure -------------------------------------------------------------------------------------
 
 
-def exposure_findings(values: dict[str, Any], env: dict[str, str], where: str,
+@dataclass(frozen=True)
+class RouteGuard:
+    """What guards an internal API bound beyond loopback: kvctl's plugins (their guard also puts
+    LMCache's own /env, /conf, /cache/*, /backends, /run_script ... behind the token there), a routes
+    token, and that token out of the process's environment (GET /env answers every variable)."""
+
+    plugins: bool = False
+    token: bool = False
+    token_in_env: bool = False
+
+    def gaps(self) -> list[str]:
+        return [gap for gap, missing in (
+            ("kvctl's plugins are not loaded, so LMCache's own routes answer anyone", not self.plugins),
+            ("no routes token is set", not self.token),
+            ("the routes token is readable from GET /env (kvctl's plugins older than this kvctl)", self.token_in_env),
+        ) if missing]
+
+
+def config_guard(view: ConfigView) -> RouteGuard:
+    from kvctl_plugins.wire import TOKEN_FILE_VARIABLE, TOKEN_VARIABLE
+
+    from kvctl.core.config_init import PLUGIN_MODULE
+
+    return RouteGuard(view.kv_transfer.get("kv_connector_module_path") == PLUGIN_MODULE,
+                      bool(view.env.get(TOKEN_VARIABLE) or view.env.get(TOKEN_FILE_VARIABLE)))
+
+
+def running_guard(running: Running) -> RouteGuard:
+    from kvctl_plugins.wire import TOKEN_VARIABLE
+
+    guard = (running.routes or {}).get("routes_guard") or {}
+    return RouteGuard(guard.get("lmcache_routes") is True, guard.get("token") is True,
+                      TOKEN_VARIABLE in (running.env or {}))
+
+
+def exposure_findings(values: dict[str, Any], guard: RouteGuard, where: str,
                       instance: str | None = None) -> list[Finding]:
-    """Management routes bound beyond loopback, /run_script enabled (in-process keys and MP flags alike)."""
+    """Management routes bound beyond loopback, /run_script enabled (in-process keys and MP flags alike).
+    An internal API beyond loopback is only a warning where kvctl's guard holds whole; an MP server's
+    own routes have no guard (its coordinator calls them without one)."""
     from kvctl.core.config_init import is_loopback
     from kvctl.core.lmcache_config import to_bool
 
@@ -366,19 +403,22 @@ def exposure_findings(values: dict[str, Any], env: dict[str, str], where: str,
 
     hosts = []
     if truthy("internal_api_server_enabled") and not values.get("internal_api_server_socket_path_prefix"):
-        hosts.append(("internal_api_server_host", values.get("internal_api_server_host") or "127.0.0.1"))
+        hosts.append(("internal_api_server_host", values.get("internal_api_server_host") or "127.0.0.1",
+                      guard.gaps()))
     if "http_host" in values:
-        hosts.append(("http_host", values.get("http_host") or "127.0.0.1"))
-    for key, host in hosts:
+        hosts.append(("http_host", values.get("http_host") or "127.0.0.1",
+                      ["LMCache's MP routes have no token guard (its coordinator calls them without one)"]))
+    for key, host, gaps in hosts:
         if is_loopback(str(host)):
             continue
-        guarded = bool(env.get("KVCTL_ROUTES_TOKEN"))
-        findings.append(Finding("warning" if guarded else "error", "exposure",
+        findings.append(Finding("error" if gaps else "warning", "exposure",
                                 f"{where}: {key} {host} binds the management API beyond loopback"
-                                + (" (kvctl's routes want KVCTL_ROUTES_TOKEN)" if guarded else ""),
+                                + (f"; unguarded: {'; '.join(gaps)}" if gaps else
+                                   "; guarded: every route but the read-only probes wants the routes token"),
                                 "anyone who reaches the port can read /env (every variable, secrets included), "
-                                "change /conf and clear the cache", "bind it to 127.0.0.1 and reach it through an "
-                                "SSH tunnel or an authenticating proxy", instance))
+                                "change /conf and clear the cache" if gaps else "the routes token is the only "
+                                "guard: whoever holds it controls the cache", "bind it to 127.0.0.1 and reach it "
+                                "through an SSH tunnel or an authenticating proxy", instance))
     if truthy("run_script_api_enabled"):
         findings.append(Finding("error", "exposure", f"{where}: run_script_api_enabled is on: POST /run_script runs "
                                 "the Python it is sent", "remote code execution in the serving process for anyone "
@@ -449,6 +489,7 @@ class ConfigView:
     env: dict[str, str]
     stores: list
     files: list[Path]
+    kv_transfer: dict[str, Any] = field(default_factory=dict)
 
 
 def read_config(config: str | os.PathLike) -> ConfigView:
@@ -472,7 +513,7 @@ def read_config(config: str | os.PathLike) -> ConfigView:
         facts = KeyFacts(settings["chunk_size"], settings["pre_caching_hash_algorithm"], seed,
                          deployment.env.get("KVCTL_MODEL"), dtype_name(dtype) if dtype else None)
     return ConfigView(Path(config), deployment.mode, facts, deployment.values, settings, deployment.env,
-                      deployment.stores, files)
+                      deployment.stores, files, deployment.kv_transfer)
 
 
 @dataclass
@@ -485,6 +526,43 @@ class Running:
     conf: dict[str, Any] | None = None
     stats: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
+    routes: dict[str, Any] | None = None  # kvctl's /kvctl/v1/info, where its routes answer
+    routes_absent: bool = False  # LMCache's own server without kvctl's plugins (a stock deployment)
+
+
+def _routes(notes: list[str], server) -> tuple[dict[str, Any] | None, bool]:
+    """(kvctl's /kvctl/v1/info, whether the server has no kvctl routes at all)."""
+    from kvctl.core.errors import RoutesAbsent
+
+    try:
+        return server.info(), False
+    except RoutesAbsent:
+        return None, True
+    except KvctlError as error:
+        notes.append(f"kvctl's routes: {error.message}")
+        return None, False
+
+
+WITHOUT_ROUTES = {
+    "inprocess": ("its CPU tier is not visible (ls and lookup show disk and Redis only; evict takes disk and Redis), "
+                  "and pins, prefetch, chunk bytes through the engine and the routes-token check do not work; stats, "
+                  "health, freeze, hot-cache, backends, conf and chunk-stats use LMCache's own routes and work",
+                  "load kvctl's plugins: \"kv_connector_module_path\": \"kvctl_plugins.vllm_connector\" in vLLM's "
+                  "--kv-transfer-config (kvctl plugins enable), or python -m kvctl_plugins.standalone"),
+    "mp": ("its L1 (cpu) is not visible to ls and lookup, a prompt's L1 objects cannot be evicted and snapshots "
+           "through the server do not work; stats, health, quota, reconfigure, checksums, pins through the "
+           "coordinator and the L2 stores with --config work",
+           "add --server-module '{\"module_path\": \"kvctl_plugins.mp_routes\"}' to its lmcache server command"),
+}
+
+
+def routes_findings(running: Running, where: str, instance: str | None = None) -> list[Finding]:
+    """A stock server: what kvctl cannot do there, and the one line that fixes it."""
+    if not running.routes_absent:
+        return []
+    cost, hint = WITHOUT_ROUTES[running.mode]
+    return [Finding("warning", "routes", f"kvctl's routes are absent: {where} is LMCache's own server without "
+                    "kvctl's plugins", f"without them {cost}", hint, instance)]
 
 
 def _ask(notes: list[str], what: str, call):
@@ -516,7 +594,8 @@ def read_running(address, timeout: float = TIMEOUT_S) -> Running:
                 facts.model, facts.world_size = contexts[0].get("model_name"), contexts[0].get("world_size")
             facts.lmcache_version = _ask(notes, "version", lambda: server.request("GET", "/lmc_version"))
             env = _ask(notes, "/env", lambda: server.request("GET", "/env"))
-            running = Running(facts, "mp", env if isinstance(env, dict) else None, None, None, notes)
+            routes, absent = _routes(notes, server)
+            running = Running(facts, "mp", env if isinstance(env, dict) else None, None, None, notes, routes, absent)
     else:
         from kvctl.clients.internal_api import InternalAPIClient
 
@@ -528,6 +607,7 @@ def read_running(address, timeout: float = TIMEOUT_S) -> Running:
             meta = _ask(notes, "/meta", worker.meta) or {}
             env = _ask(notes, "/env", worker.env)
             metrics = _ask(notes, "/metrics", worker.metrics)
+            routes, absent = _routes(notes, worker)
             if facts.vllm_version is None and not address.vllm:
                 answer = _ask([], "/inference_version", lambda: worker.request("GET", "/inference_version"))
                 facts.vllm_version = answer.get("vllm_version") if isinstance(answer, dict) else None
@@ -539,7 +619,8 @@ def read_running(address, timeout: float = TIMEOUT_S) -> Running:
             except KvctlError:
                 facts.kv_dtype = str(meta["kv_dtype"])
         stats = lmcache_stats(merge_samples([metrics]), None) if isinstance(metrics, str) else None
-        running = Running(facts, "inprocess", env if isinstance(env, dict) else None, conf or None, stats, notes)
+        running = Running(facts, "inprocess", env if isinstance(env, dict) else None, conf or None, stats, notes,
+                          routes if isinstance(routes, dict) else None, absent)
     if running.env is not None:
         facts.hash_seed = running.env.get("PYTHONHASHSEED", UNSET)
     if address.vllm:
@@ -556,7 +637,7 @@ def read_running(address, timeout: float = TIMEOUT_S) -> Running:
 
 def config_findings(view: ConfigView, instance: str | None = None) -> list[Finding]:
     """Everything a configuration directory alone shows: exposure, secrets, disk and Redis stores."""
-    findings = exposure_findings(view.settings if view.mode == "inprocess" else view.values, view.env,
+    findings = exposure_findings(view.settings if view.mode == "inprocess" else view.values, config_guard(view),
                                  str(view.path), instance)
     findings += secret_file_findings(view.files, instance)
     findings += store_findings(view.stores, view.settings, instance)
@@ -602,12 +683,12 @@ class Examination:
 def examine(address, config: str | os.PathLike | None = None, timeout: float = TIMEOUT_S) -> Examination:
     """Every check of one running instance against its configuration directory (the address's, the
     given one, or the directory of the process's LMCACHE_CONFIG_FILE)."""
-    from kvctl.core.target import Store
-    from kvctl.core.tiers import parse_redis_url
+    from kvctl.core.target import inprocess_stores
 
     name = address.name
     running = read_running(address, timeout)
     findings = [_info("running", f"not read: {note}", name) for note in running.notes]
+    findings += routes_findings(running, address.mp_http or address.worker or name, name)
     config = config or address.config_dir
     if config is None and running.env and running.env.get("LMCACHE_CONFIG_FILE"):
         candidate = Path(running.env["LMCACHE_CONFIG_FILE"]).parent
@@ -632,22 +713,17 @@ def examine(address, config: str | os.PathLike | None = None, timeout: float = T
         skip = frozenset(key for key, variable in (("chunk_size", "LMCACHE_CHUNK_SIZE"), (
             "hash_algorithm", "LMCACHE_PRE_CACHING_HASH_ALGORITHM")) if variable in overridden)
         findings += compare_with_config(running.facts, view.facts, str(view.path), name, skip)
-        findings += exposure_findings(view.settings if view.mode == "inprocess" else view.values, view.env,
-                                      str(view.path), name)
+        findings += exposure_findings(view.settings if view.mode == "inprocess" else view.values,
+                                      config_guard(view), str(view.path), name)
         findings += secret_file_findings(view.files, name)
-    if running.conf and (view is None or any(running.conf.get(key) != view.settings.get(key) for key in EXPOSURE_KEYS)):
-        findings += exposure_findings(running.conf, view.env if view else {}, "running engine", name)
+    if running.conf and (view is None or any(running.conf.get(key) != view.settings.get(key) for key in EXPOSURE_KEYS)
+                         or running_guard(running).gaps() != config_guard(view).gaps()):
+        findings += exposure_findings(running.conf, running_guard(running), "running engine", name)
     if running.mode == "inprocess":
         findings += retrieve_findings(running.stats, name)
     stores = list(view.stores) if view is not None else []
     if not stores and running.conf:
-        conf = running.conf
-        if conf.get("local_disk") and conf.get("max_local_disk_size"):
-            paths = [part.strip().removeprefix("file://") for part in str(conf["local_disk"]).split(",")]
-            stores.append(Store("disk", "lmcache-disk", tuple(paths)))
-        remote = str(conf.get("remote_url") or "")
-        if remote.split("://")[0] in ("redis", "rediss", "redis-sentinel", "redis-cluster"):
-            stores.append(Store("redis", "lmcache-redis", redis=parse_redis_url(remote)))
+        stores = inprocess_stores(running.conf)[0]
     settings = view.settings if view is not None else (running.conf or {})
     return Examination(name, running.facts, findings, [(store, settings) for store in stores])
 

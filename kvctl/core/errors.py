@@ -63,6 +63,17 @@ class RejectedError(KvctlError):
     exit_code = ExitCode.REJECTED
 
 
+class RoutesAbsent(RejectedError):
+    """The server is LMCache's without kvctl's routes (a stock engine or MP server): what needs them
+    cannot be done there; what LMCache's own routes serve still can."""
+
+
+def tier_error(error: KvctlError) -> str:
+    """What one tier's entry in a report's `errors` says: the message, and for a missing route also
+    the one line that adds it (a per-tier entry has no hint of its own)."""
+    return f"{error.message}; {error.hint}" if isinstance(error, RoutesAbsent) and error.hint else error.message
+
+
 class ServerError(KvctlError):
     """A server answered with a server error (5xx)."""
 

@@ -247,12 +247,12 @@ class InProcessInstance(ChunkKeyed):
     kind = "inprocess"
     pin_ids = True  # kvctl's pins carry ids: a pin set finds its own
 
-    def __init__(self, address) -> None:
+    def __init__(self, address, info: dict[str, Any] | None = None) -> None:
         self.address = address
         self.name = address.name
         self.worker0 = address.worker
         self.notes: list[str] = []
-        self._info: dict[str, Any] | None = None
+        self._info = info  # worker 0's /kvctl/v1/info, where open_instance already asked it
 
     @property
     def info(self) -> dict[str, Any]:

@@ -4,6 +4,8 @@
 three implementations, each of which answers the same operations in its own way:
 
     InProcessInstance  kvctl's routes on every worker (kvctl.core.inprocess)
+    StockEngineInstance an in-process engine without them: LMCache's own routes, its stores read
+                       directly, its CPU tier not visible (kvctl.core.stock)
     MPInstance         the lmcache server, its L2 stores and the coordinator (kvctl.core.mp_cache)
     OfflineInstance    a configuration directory with no engine: its disk directory and Redis (or
                        fs / resp L2 stores) read and written directly (kvctl.core.offline)
@@ -378,6 +380,16 @@ def open_instance(selector: Selector, address=None) -> Instance:
         if selector.config is not None:
             address = replace(address, config_dir=str(selector.config))
         return MPInstance(address, selector)
+    from kvctl.clients.internal_api import InternalAPIClient
+    from kvctl.core.errors import RoutesAbsent
     from kvctl.core.inprocess import InProcessInstance
 
-    return InProcessInstance(address)
+    with InternalAPIClient(address.worker) as worker:
+        try:
+            info = worker.info()
+        except RoutesAbsent:  # a stock LMCache engine: its own routes and its stores
+            from kvctl.core.stock import StockEngineInstance
+
+            return StockEngineInstance(address, selector.config, selector.model, selector.kv_dtype,
+                                       selector.hash_seed, selector.vllm_url)
+    return InProcessInstance(address, info)

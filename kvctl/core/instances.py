@@ -5,9 +5,14 @@ Inventory (`kvctl.yaml`; `--inventory`, `$KVCTL_INVENTORY`, `./kvctl.yaml`, or t
 
     instances:
       a: {state: /path/to/state.json}                 # a kvctl serve on this or a shared file system
-      b: {internal_api: http://127.0.0.1:7001, vllm: http://127.0.0.1:8001}
+      b: {internal_api: http://127.0.0.1:7001, vllm: http://127.0.0.1:8001, token_file: b.token}
     redis: redis://127.0.0.1:6379/0                  # shared Redis tier (optional)
     coordinator: http://127.0.0.1:9300               # LMCache MP coordinator (optional)
+
+An instance's routes token (kvctl's routes, and LMCache's own beyond loopback) is its own: `token_file:`
+(the token alone) or `env_file:` (an env.sh), relative to the inventory, else its configuration's env.sh;
+kvctl's environment (KVCTL_ROUTES_TOKEN) serves only an instance addressed alone. It is sent to that
+instance's internal API or MP server and nowhere else.
 
 An instance's `pins: FILE` (relative to the inventory) is the pin set `kvctl serve --name NAME` re-applies
 after every start (kvctl.core.pinsets).
@@ -52,23 +57,97 @@ class Address:
 
 
 def from_state(state: dict[str, Any], name: str | None = None) -> Address:
+    """A `kvctl serve`'s instance; its routes token is its configuration's (env.sh), if any."""
     endpoints = state.get("endpoints", {})
-    return Address(name or state.get("name", "default"), state.get("mode", "inprocess"),
-                    list(endpoints.get("internal_api") or []), endpoints.get("vllm"), endpoints.get("offload_socket"),
-                    endpoints.get("mp_http"), state.get("config_dir"), state.get("model"),
-                    coordinator=endpoints.get("coordinator"))
+    address = Address(name or state.get("name", "default"), state.get("mode", "inprocess"),
+                      list(endpoints.get("internal_api") or []), endpoints.get("vllm"),
+                      endpoints.get("offload_socket"), endpoints.get("mp_http"), state.get("config_dir"),
+                      state.get("model"), coordinator=endpoints.get("coordinator"))
+    return grant_token(address, config_token(address.config_dir))
 
 
 def worker_url(url: str, rank: int) -> str:
-    """Worker r's internal API, from worker 0's: it listens on worker 0's port + r (port_start + 1 + r)."""
+    """Worker r's internal API, from worker 0's: it listens on worker 0's port + r (port_start + 1 + r),
+    and answers to the same routes token."""
+    from kvctl.clients.http import routes_tokens
+
     head, _, port = url.rstrip("/").rpartition(":") if not url.startswith("unix:") else url.rpartition("_")
     separator = "_" if url.startswith("unix:") else ":"
-    return f"{head}{separator}{int(port) + rank}"
+    derived = f"{head}{separator}{int(port) + rank}"
+    routes_tokens.share(url, derived)
+    return derived
 
 
 def from_url(url: str) -> Address:
-    """An instance known only by worker 0's internal API URL."""
-    return Address(url, internal_api=[url])
+    """An instance known only by worker 0's internal API URL, addressed alone: the routes token of
+    kvctl's own environment (KVCTL_ROUTES_TOKEN, or KVCTL_ROUTES_TOKEN_FILE) is its."""
+    return grant_token(Address(url, internal_api=[url]), environment_token())
+
+
+# -- routes tokens: each instance's own, sent only to its servers (kvctl.clients.http.routes_tokens) --
+
+def grant_token(address: Address, token: str | None) -> Address:
+    from kvctl.clients.http import routes_tokens
+
+    for url in [*address.internal_api, address.mp_http]:
+        if url:
+            routes_tokens.grant(url, token)
+    return address
+
+
+def has_token(address: Address) -> bool:
+    from kvctl.clients.http import routes_tokens
+
+    return any(routes_tokens.get(url) for url in [*address.internal_api, address.mp_http] if url)
+
+
+def token_in(env: dict[str, str], where: str) -> str | None:
+    """A routes token as a deployment's environment gives it: the value, or the file it names."""
+    from kvctl_plugins.wire import TOKEN_FILE_VARIABLE, TOKEN_VARIABLE
+
+    from kvctl.core.safe_files import read_text
+
+    if env.get(TOKEN_VARIABLE):
+        return env[TOKEN_VARIABLE].strip()
+    if env.get(TOKEN_FILE_VARIABLE):
+        try:
+            return read_text(Path(env[TOKEN_FILE_VARIABLE]).expanduser()).strip() or None
+        except KvctlError as error:
+            raise KvctlError(f"the routes token file of {where} ({TOKEN_FILE_VARIABLE}): {error.message}",
+                             hint=error.hint) from None
+    return None
+
+
+def environment_token() -> str | None:
+    return token_in(dict(os.environ), "kvctl's environment")
+
+
+def config_token(config_dir: str | os.PathLike | None) -> str | None:
+    """The routes token a configuration's env.sh gives its engine, None without one."""
+    from kvctl.core.lmcache_config import ENV_FILE, parse_env_file
+    from kvctl.core.safe_files import read_text
+
+    env_file = Path(config_dir) / ENV_FILE if config_dir else None
+    if env_file is None or not env_file.is_file():
+        return None
+    return token_in(parse_env_file(read_text(env_file)), str(env_file))
+
+
+def entry_token(name: str, entry: dict[str, Any], path: Path) -> str | None:
+    """An inventory member's routes token: its own `token_file:` (the token alone) or `env_file:` (an
+    env.sh), relative to the inventory; never kvctl's environment, which is no one member's."""
+    from kvctl.core.lmcache_config import parse_env_file
+    from kvctl.core.safe_files import read_text
+
+    for key in ("token_file", "env_file"):
+        if entry.get(key) is None:
+            continue
+        if not isinstance(entry[key], str) or not entry[key]:
+            raise KvctlError(f"instance {name!r} in {path}: {key} is not a file name", hint=f"write {key}: FILE")
+        file = path.parent / Path(entry[key]).expanduser()
+        text = read_text(file)
+        return (text.strip() or None) if key == "token_file" else token_in(parse_env_file(text), str(file))
+    return None
 
 
 def announce_inventory(path: Path) -> None:
@@ -119,17 +198,19 @@ def _from_inventory(name: str, entry: Any, path: Path) -> Address:
         raise KvctlError(f"instance {name!r} in {path} is not a mapping",
                          hint="give it state: FILE or internal_api: URL")
     if "state" in entry:
-        return from_state(read_state(Path(entry["state"]).expanduser()), name)
-    if "internal_api" in entry:
+        address = from_state(read_state(Path(entry["state"]).expanduser()), name)
+    elif "internal_api" in entry:
         urls = entry["internal_api"]
         urls = [urls] if isinstance(urls, str) else list(urls)
-        return Address(name, entry.get("mode", "inprocess"), urls, entry.get("vllm"), entry.get("offload_socket"),
-                        entry.get("mp_http"), entry.get("config_dir"), entry.get("model"))
-    if "mp_http" in entry:
-        return Address(name, "mp", [], entry.get("vllm"), None, entry["mp_http"], entry.get("config_dir"),
-                        entry.get("model"))
-    raise KvctlError(f"instance {name!r} in {path} has no state, internal_api or mp_http",
-                     hint="say where to find it")
+        address = Address(name, entry.get("mode", "inprocess"), urls, entry.get("vllm"), entry.get("offload_socket"),
+                          entry.get("mp_http"), entry.get("config_dir"), entry.get("model"))
+    elif "mp_http" in entry:
+        address = Address(name, "mp", [], entry.get("vllm"), None, entry["mp_http"], entry.get("config_dir"),
+                          entry.get("model"))
+    else:
+        raise KvctlError(f"instance {name!r} in {path} has no state, internal_api or mp_http",
+                         hint="say where to find it")
+    return grant_token(address, entry_token(name, entry, path) or config_token(address.config_dir))
 
 
 def resolve(instance: str | None, state: Path | None = None, inventory: Path | None = None) -> list[Address]:
@@ -148,7 +229,8 @@ def resolve(instance: str | None, state: Path | None = None, inventory: Path | N
         return [_member(name, entry, path) for name, entry in entries.items()]
     if instance and instance in entries:
         return [_from_inventory(instance, entries[instance], path)]
-    return [from_state(read_state(state, instance), instance)]
+    address = from_state(read_state(state, instance), instance)
+    return [address if has_token(address) else grant_token(address, environment_token())]  # addressed alone
 
 
 def _member(name: str, entry: Any, path: Path) -> Address:
@@ -161,7 +243,9 @@ def _member(name: str, entry: Any, path: Path) -> Address:
 
 
 def identify(instance: Address) -> Address:
-    """An instance known by one URL is an in-process worker or an MP server: its kvctl routes say which."""
+    """An instance known by one URL is an in-process worker or an MP server: LMCache's own GET /status
+    says which (an MP server answers engine_type MPCacheServer; an internal API server has no such
+    route), so a stock server, without kvctl's routes, is told apart as well as kvctl's."""
     from dataclasses import replace
 
     from kvctl.clients.internal_api import InternalAPIClient
@@ -170,11 +254,11 @@ def identify(instance: Address) -> Address:
         return instance
     with InternalAPIClient(instance.internal_api[0], IDENTIFY_TIMEOUT_S) as server:
         try:
-            engine = server.info().get("engine")
+            status = server.request("GET", "/status")
         except KvctlError:
-            return instance  # whoever reports on it says what is wrong
-    return (replace(instance, mode="mp", internal_api=[], mp_http=instance.internal_api[0]) if engine == "mp"
-            else instance)
+            return instance  # an in-process engine (404), or whoever reports on it says what is wrong
+    is_mp = isinstance(status, dict) and status.get("engine_type") == "MPCacheServer"
+    return replace(instance, mode="mp", internal_api=[], mp_http=instance.internal_api[0]) if is_mp else instance
 
 
 def inventory_value(name: str, inventory: Path | None = None) -> Any:

@@ -389,8 +389,12 @@ def offload_endpoint(plan) -> dict:
     """In-process mode: where worker 0's ZMQ offload server listens (its engine id is in /meta)."""
     if plan.mode != "inprocess":
         return {}
+    from kvctl.clients.http import routes_tokens
     from kvctl.clients.internal_api import InternalAPIClient
     from kvctl.clients.offload import offload_socket_path
+    from kvctl.core.instances import config_token
 
-    with InternalAPIClient(plan.endpoints["internal_api"][1]) as worker:
+    url = plan.endpoints["internal_api"][1]
+    routes_tokens.grant(url, config_token(plan.config_dir))  # its own routes token (beyond loopback)
+    with InternalAPIClient(url) as worker:
         return {"offload_socket": offload_socket_path(worker.meta().get("engine_id") or "default")}

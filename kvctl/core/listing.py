@@ -180,14 +180,14 @@ class Listing:
 
 def collect(listers: dict[str, Any]) -> Listing:
     """Run each tier's lister; a tier that fails is named in `errors` and the others still list."""
-    from kvctl.core.errors import KvctlError
+    from kvctl.core.errors import KvctlError, tier_error
 
     listing = Listing([])
     for tier, lister in listers.items():
         try:
             listing.tiers.append(lister())
         except KvctlError as error:
-            listing.errors[tier] = error.message
+            listing.errors[tier] = tier_error(error)
             listing.failure_code = error.exit_code
     return listing
 

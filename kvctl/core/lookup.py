@@ -15,9 +15,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from kvctl_plugins.wire import TIER_ORDER  # LMCache's tier order and hit rule, shared with the routes
-from kvctl_plugins.wire import hit_tokens as tier_hit_tokens
+from kvctl_plugins.wire import hit_tokens as wire_hit_tokens
 
-from kvctl.core.errors import KvctlError
+from kvctl.core.errors import KvctlError, tier_error
 from kvctl.core.keys import (
     INPROCESS_ALGORITHMS,
     KeyRecipe,
@@ -110,6 +110,14 @@ def display_keys(target: Target, tokens: Sequence[int]) -> list[str]:
 # -- the lookup ---------------------------------------------------------------------------------
 
 
+def tier_hit_tokens(presence: dict[str, list[bool]], sizes: list[int]) -> dict[str, int | None]:
+    """Tokens served per tier and in total (LMCache's hit rule, wire.py); a tier that was not checked
+    (absent, unreachable, not visible without kvctl's routes) is None, never a 0 it did not say."""
+    return {tier: hits if tier == "total" or tier in presence else None
+            for tier, hits in wire_hit_tokens(presence, sizes).items()}
+
+
+
 def lookup(tokens: Sequence[int], target: Target, open_source: Callable[[Store], Source],
            presence: dict[str, list[bool]] | None = None, errors: dict[str, str] | None = None) -> LookupResult:
     """`presence` and `errors` carry what a live server already answered (the MP server's L1)."""
@@ -127,7 +135,7 @@ def lookup(tokens: Sequence[int], target: Target, open_source: Callable[[Store],
             names = names_for(store, recipe, tokens)
             flat = source.exists([name for ranks in names for name in ranks])
         except KvctlError as error:
-            errors[store.tier] = error.message
+            errors[store.tier] = tier_error(error)
             continue
         sources[store.tier] = source
         found, offset = [], 0
@@ -228,7 +236,7 @@ def mp_l1_presence(url: str, token_ids: list[int], target) -> tuple[dict[str, li
             answer = server.lookup(token_ids, recipe.model_name, recipe.world_size, recipe.cache_salt)
         return {"cpu": l1_presence(answer, token_ids, recipe)}, {}
     except KvctlError as error:
-        return {}, {"cpu": error.message}
+        return {}, {"cpu": tier_error(error)}
 
 
 def l1_presence(answer: dict[str, Any], tokens: Sequence[int], recipe: MPKeyRecipe) -> list[bool]:

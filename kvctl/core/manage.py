@@ -48,7 +48,8 @@ REFUSED_DEFAULT = "LMCache reads it only when the engine, its lookup client or a
 BACKENDS = {"cpu": "LocalCPUBackend", "disk": "LocalDiskBackend", "redis": "RemoteBackend",
             "remote": "RemoteBackend", "gds": "GdsBackend", "p2p": "P2PBackend", "pd": "PDBackend"}
 TIERS = {"LocalCPUBackend": "cpu", "LocalDiskBackend": "disk", "RemoteBackend": "redis"}
-KINDS = {"inprocess": "an in-process engine", "mp": "an MP server", "offline": "a configuration with no engine"}
+KINDS = {"inprocess": "an in-process engine", "stock": "an in-process engine", "mp": "an MP server",
+         "offline": "a configuration with no engine"}
 # LocalCPUBackend is the engine's allocator: closing it leaves every store without memory.
 NOT_DETACHABLE = {"LocalCPUBackend"}
 
@@ -167,13 +168,15 @@ def _fan(targets: list[tuple[str, int | None, str]], call: Callable[[Any], dict[
 # -- in-process plumbing ----------------------------------------------------------------------------
 
 def _inprocess(instance, what: str):
+    """A running in-process engine, kvctl's routes or not (LMCache's own routes serve these)."""
     from kvctl.core.inprocess import InProcessInstance
+    from kvctl.core.stock import StockEngineInstance
 
-    return _require(instance, InProcessInstance, f"{what} is an in-process LMCache feature",
+    return _require(instance, (InProcessInstance, StockEngineInstance), f"{what} is an in-process LMCache feature",
                     "address an in-process engine (its worker 0 internal API) with --instance")
 
 
-def _require(instance, kind: type, feature: str, hint: str):
+def _require(instance, kind: type | tuple[type, ...], feature: str, hint: str):
     """The instance, if it is of `kind`; else Unsupported naming what it is instead."""
     if not isinstance(instance, kind):
         raise Unsupported(f"{feature}; {KINDS.get(getattr(instance, 'kind', ''), 'this instance')} has none",
@@ -182,12 +185,15 @@ def _require(instance, kind: type, feature: str, hint: str):
 
 
 def workers(instance, what: str) -> list[tuple[str, int | None, str]]:
-    """('worker', r, url) for every worker of an in-process instance (world size from worker 0)."""
-    from kvctl.core.inprocess import open_workers
+    """('worker', r, url) for every worker of an in-process instance: the world size from worker 0's
+    LMCache /meta, which every engine serves, kvctl's routes or not."""
+    from kvctl.clients.internal_api import InternalAPIClient
+    from kvctl.core.instances import worker_url
 
     found = _inprocess(instance, what)
-    with open_workers(found.worker0) as (clients, _info):
-        return [("worker", rank, client.url) for rank, client in enumerate(clients)]
+    with InternalAPIClient(found.worker0) as worker:
+        world_size = worker.meta().get("world_size") or 1
+    return [("worker", rank, worker_url(found.worker0, rank)) for rank in range(int(world_size))]
 
 
 def scheduler(instance, what: str) -> tuple[str, bool]:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvctl.core.errors import ExitCode, KvctlError, UnreachableError
+from kvctl.core.errors import ExitCode, KvctlError, RoutesAbsent, UnreachableError
 
 HEALTH_TIMEOUT_S = 5.0
 
@@ -263,19 +263,58 @@ def _stores(instance, shared_redis: str | None) -> list:
     stores = config_stores(instance.config_dir)
     if not instance.config_dir and instance.worker:
         from kvctl.clients.internal_api import InternalAPIClient
+        from kvctl.core.target import inprocess_stores
 
         try:
             with InternalAPIClient(instance.worker, HEALTH_TIMEOUT_S) as worker:
-                tiers = {entry["tier"]: entry for entry in worker.info()["tiers"]}
-                if "disk" in tiers:
-                    stores.append(Store("disk", "lmcache-disk", (tiers["disk"]["path"],)))
-                if "redis" in tiers:
-                    stores.append(engine_redis_store(worker))
+                try:
+                    tiers = {entry["tier"]: entry for entry in worker.info()["tiers"]}
+                except RoutesAbsent:  # a stock engine: the stores its own /conf names
+                    stores += inprocess_stores(worker.conf(["local_disk", "max_local_disk_size", "remote_url"]))[0]
+                else:
+                    if "disk" in tiers:
+                        stores.append(Store("disk", "lmcache-disk", (tiers["disk"]["path"],)))
+                    if "redis" in tiers:
+                        stores.append(engine_redis_store(worker))
         except KvctlError:
             return []  # the worker's own check reports it
     if shared_redis and not any(store.tier == "redis" for store in stores):
         stores.append(Store("redis", "lmcache-redis", redis=parse_redis_url(shared_redis)))
     return stores
+
+
+STOCK_FIGURES = ("kvctl's routes are absent: {what} from LMCache's own {source}; its /metrics are exported "
+                 "every few seconds, so they can lag traffic that just happened")
+
+
+def _engine_tiers(worker, notes: list[str]) -> dict[str, Any]:
+    """Worker 0's tiers as kvctl's routes count them (chunks, bytes, capacity); on a stock engine, which
+    has none, the tiers and capacities of its own /conf, whose usage then comes from /metrics."""
+    try:
+        return worker.info()
+    except RoutesAbsent:
+        pass
+    conf = worker.conf(["max_local_cpu_size", "local_disk", "max_local_disk_size", "remote_url"])
+    meta = worker.meta()
+    gib = lambda value: int(float(value) * 1024**3)  # noqa: E731 - LMCache's sizes are in GB
+    tiers = [{"tier": "cpu", "capacity_bytes": gib(conf.get("max_local_cpu_size") or 0)}]
+    if conf.get("local_disk") and conf.get("max_local_disk_size"):
+        tiers.append({"tier": "disk", "capacity_bytes": gib(conf["max_local_disk_size"])})
+    if str(conf.get("remote_url") or "").split("://")[0] in ("redis", "rediss", "redis-sentinel", "redis-cluster"):
+        tiers.append({"tier": "redis"})
+    notes.append(STOCK_FIGURES.format(what="tier usage", source="/conf and /metrics"))
+    return {"tiers": tiers, "model": meta.get("model_name"), "pins": None}
+
+
+def _mp_l1(server, notes: list[str]) -> dict[str, Any]:
+    """The MP server's L1 usage: kvctl's routes, else LMCache's own /status (the same figures)."""
+    try:
+        return server.info()
+    except RoutesAbsent:
+        pass
+    managers = (server.status().get("storage_manager") or {}).get("l1_managers") or {}
+    notes.append("kvctl's routes are absent: L1 usage from LMCache's own /status")
+    return {"l1": managers}
 
 
 def _redis_tier_usage(worker, info: dict[str, Any], errors: dict[str, str]) -> dict[str, Any] | None:
@@ -300,14 +339,15 @@ def instance_stats(instance) -> dict[str, Any]:
 
     instance = identify(instance)
     errors: dict[str, str] = {}
+    notes: list[str] = []
     texts, info, redis = [], None, None
     for index, url in enumerate(instance.internal_api[1:] or instance.internal_api):
         try:
             with InternalAPIClient(url) as worker:
-                if index == 0:
-                    info = worker.info()
-                    redis = _redis_tier_usage(worker, info, errors)
                 texts.append(worker.metrics())
+                if index == 0:
+                    info = _engine_tiers(worker, notes)
+                    redis = _redis_tier_usage(worker, info, errors)
         except KvctlError as error:
             errors[f"internal_api_worker_{index}"] = error.message
     stats: dict[str, Any] = {"instance": instance.name, "mode": instance.mode}
@@ -321,7 +361,8 @@ def instance_stats(instance) -> dict[str, Any]:
 
         try:
             with MPServerClient(instance.mp_http) as server:
-                stats["lmcache"] = mp_server_stats(parse_metrics(server.request("GET", "/metrics")), server.info())
+                samples = parse_metrics(server.request("GET", "/metrics"))
+                stats["lmcache"] = mp_server_stats(samples, _mp_l1(server, notes))
         except KvctlError as error:
             errors["mp_server"] = error.message
     if instance.vllm:
@@ -331,6 +372,7 @@ def instance_stats(instance) -> dict[str, Any]:
         except KvctlError as error:
             errors["vllm"] = error.message
     stats["errors"] = errors
+    stats["notes"] = notes
     if errors and "lmcache" not in stats and "vllm" not in stats:
         raise UnreachableError("nothing answered: " + "; ".join(errors.values()),
                                hint="check that the instance runs: kvctl health")

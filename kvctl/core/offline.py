@@ -43,7 +43,7 @@ from kvctl.core.listing import (
     stored_redis_keys,
     unlink_chunks,
 )
-from kvctl.core.target import DISK_SUFFIXES, Deployment, Store, Target, read_deployment, target_from_config
+from kvctl.core.target import DISK_SUFFIXES, Deployment, Store, Target, read_deployment, target_from_deployment
 
 READ_BATCH = 64  # disk chunks read (and held in memory) at a time to pair with their Redis metadata
 PROBE_TIMEOUT_S = 1.0  # a running engine answers on loopback at once; a stopped one refuses at once
@@ -223,7 +223,7 @@ class OfflineInstance:
 
     def __init__(self, config_dir: str | os.PathLike, model: str | None = None, kv_dtype: str | None = None,
                  world_size: int = 1, hash_seed: str | None = None, vllm_url: str | None = None) -> None:
-        self.config_dir = Path(config_dir)
+        self.config_dir = Path(config_dir) if config_dir is not None else None  # None: a subclass's own deployment
         self.name = str(config_dir)
         self.model, self.kv_dtype, self.world_size, self.hash_seed = model, kv_dtype, world_size, hash_seed
         self.vllm_url = vllm_url
@@ -246,8 +246,8 @@ class OfflineInstance:
 
     def _target(self, model: str | None) -> Target:
         """The key recipe and stores for `model` (else the constructor's, else env.sh's)."""
-        return target_from_config(self.config_dir, model or self.model, self.kv_dtype, self.world_size,
-                                  self.hash_seed)
+        return target_from_deployment(self.deployment, model or self.model, self.kv_dtype, self.world_size,
+                                      self.hash_seed)
 
     def _known_model(self, model: str | None = None) -> str | None:
         return model or self.model or self.deployment.env.get("KVCTL_MODEL")

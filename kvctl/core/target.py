@@ -81,6 +81,7 @@ class Deployment:
     settings: dict[str, Any]  # in-process: LMCache's effective configuration; MP: the values
     stores: list[Store]
     notes: list[str]
+    kv_transfer: dict[str, Any] = field(default_factory=dict)  # vLLM's --kv-transfer-config, where written
 
 
 def read_deployment(config: str | os.PathLike) -> Deployment:
@@ -90,24 +91,51 @@ def read_deployment(config: str | os.PathLike) -> Deployment:
     values = load_mapping(files.yaml_path) if files.yaml_path else {}
     if detect_mode(kv_transfer or None, values or None) == "mp":
         stores, notes = _mp_stores(values)
-        return Deployment("mp", env, values, values, stores, notes)
+        return Deployment("mp", env, values, values, stores, notes, kv_transfer)
     settings = effective_config(values, "file", {}, kv_transfer.get("kv_connector_extra_config") or {}, "vllm").values
+    stores, notes = inprocess_stores(settings)
+    return Deployment("inprocess", env, values, settings, stores, notes, kv_transfer)
+
+
+def inprocess_stores(settings: dict[str, Any]) -> tuple[list[Store], list[str]]:
+    """The disk and Redis stores an in-process engine's effective settings name (its file's, or what
+    a running engine's GET /conf answers), and a note for a remote tier kvctl does not read."""
     stores, notes = [], []
-    if settings["local_disk"] and settings["max_local_disk_size"]:
-        stores.append(Store("disk", "lmcache-disk", tuple(settings["local_disk"].split(","))))
-    remote = settings["remote_url"]
-    if remote and remote.split("://")[0] in ("redis", "rediss", "redis-sentinel", "redis-cluster"):
+    if settings.get("local_disk") and settings.get("max_local_disk_size"):
+        directories = [part.strip().removeprefix("file://") for part in str(settings["local_disk"]).split(",")]
+        stores.append(Store("disk", "lmcache-disk", tuple(directories)))
+    remote = str(settings.get("remote_url") or "")
+    if remote.split("://")[0] in ("redis", "rediss", "redis-sentinel", "redis-cluster"):
         stores.append(Store("redis", "lmcache-redis", redis=parse_redis_url(remote)))
     elif remote:
         notes.append(f"the remote tier {remote.split('://')[0]}:// is not one kvctl reads directly")
-    return Deployment("inprocess", env, values, settings, stores, notes)
+    return stores, notes
+
+
+def engine_deployment(conf: dict[str, Any], meta: dict[str, Any], env: dict[str, str] | None) -> Deployment:
+    """What a running in-process engine says of itself through LMCache's own routes (GET /conf: every
+    effective setting; /meta: model, KV dtype, world size; /env: PYTHONHASHSEED), as a configuration
+    directory would say it: a stock engine needs no --config for its disk and Redis tiers."""
+    stores, notes = inprocess_stores(conf)
+    facts = {"KVCTL_MODEL": meta.get("model_name"),
+             "KVCTL_KV_DTYPE": str(meta.get("kv_dtype") or "").removeprefix("torch.") or None,
+             "PYTHONHASHSEED": (env or {}).get("PYTHONHASHSEED")}
+    if env is None:
+        notes.append("the engine's /env did not answer: its PYTHONHASHSEED is unknown")
+    return Deployment("inprocess", {name: value for name, value in facts.items() if value}, conf, conf, stores, notes)
 
 
 def target_from_config(config: str | os.PathLike, model: str | None, kv_dtype: str | None = None,
                        world_size: int = 1, hash_seed: str | None = None) -> Target:
     """The target described by a `kvctl config init` directory (or an lmcache.yaml)."""
-    deployment = read_deployment(config)
+    return target_from_deployment(read_deployment(config), model, kv_dtype, world_size, hash_seed)
+
+
+def target_from_deployment(deployment: Deployment, model: str | None, kv_dtype: str | None = None,
+                           world_size: int = 1, hash_seed: str | None = None) -> Target:
+    """The key recipe and stores of a deployment, for `model` (else the one its env names)."""
     model = model or deployment.env.get("KVCTL_MODEL")
+    kv_dtype = kv_dtype or deployment.env.get("KVCTL_KV_DTYPE")
     if not model:
         raise UsageError("which model? chunk keys contain the model name vLLM was given",
                          hint="pass --model with the value of vLLM's --model (a directory or a hub id)")

@@ -51,6 +51,7 @@ def build_server_modules(_build_context) -> None:
     """LMCache's --server-module factory: mount the routes on the HTTP app that is starting."""
     from lmcache.logging import init_logger
 
+    protocol.adopt_routes_token()  # out of the environment before the server answers GET /env
     app = running_app()
     if app is None:
         init_logger(__name__).warning("kvctl routes not mounted: this server has no HTTP app")

@@ -25,7 +25,17 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from kvctl_plugins import wire
-from kvctl_plugins.wire import FRAMES_TYPE, MAX_CHUNKS_BODY, MAX_PAGE, NEXT_HEADER, TOKEN_VARIABLE, error_body
+from kvctl_plugins.wire import (
+    FRAMES_TYPE,
+    MAX_CHUNKS_BODY,
+    MAX_PAGE,
+    NEXT_HEADER,
+    OPEN_PROBES,
+    PREFIX,
+    TOKEN_FILE_VARIABLE,
+    TOKEN_VARIABLE,
+    error_body,
+)
 
 MAX_BODY_BYTES = 16 * 1024 * 1024  # a 128K-token lookup is about 1 MiB of JSON
 JSON_TYPE = "application/json"
@@ -36,8 +46,33 @@ MAX_KEYS = 100_000
 MAX_STRING = 4096
 MAX_TTL_S = 30 * 24 * 3600.0
 LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
+MAX_TOKEN_FILE = 4096
 
 logger = logging.getLogger(__name__)
+_routes_token: list[str | None] = []  # [token] once adopted: read once per process, at install
+
+
+def adopt_routes_token() -> str | None:
+    """The routes token, read once when the plugins install: KVCTL_ROUTES_TOKEN, which is then removed
+    from this process's environment (LMCache's unauthenticated GET /env shows every variable, and child
+    processes inherit them), else the file KVCTL_ROUTES_TOKEN_FILE names (only its path stays in the
+    environment). A named file that cannot be read stops the install: routes meant to be guarded never
+    answer unguarded."""
+    if not _routes_token:
+        token = os.environ.pop(TOKEN_VARIABLE, None) or None
+        path = os.environ.get(TOKEN_FILE_VARIABLE)
+        if token is None and path:
+            try:
+                with open(path, "rb") as file:
+                    token = file.read(MAX_TOKEN_FILE + 1).decode().strip() or None
+            except (OSError, UnicodeDecodeError) as failure:
+                raise RuntimeError(f"kvctl plugins: cannot read the routes token file {path} "
+                                   f"({TOKEN_FILE_VARIABLE}): {failure}") from None
+            if token is None or len(token) > MAX_TOKEN_FILE:
+                raise RuntimeError(f"kvctl plugins: the routes token file {path} ({TOKEN_FILE_VARIABLE}) "
+                                   f"must hold one token of 1 to {MAX_TOKEN_FILE} characters")
+        _routes_token.append(token)
+    return _routes_token[0]
 
 
 class Rejected(Exception):
@@ -92,7 +127,7 @@ async def serve(request: Request, engine: Any, operation: Callable[[Any, Any], A
     (wire.py); the operation answers JSON, or a Response of its own (chunk bytes)."""
     try:
         check_host(request)
-        check_token(request, os.environ.get(TOKEN_VARIABLE))
+        check_token(request, adopt_routes_token())
         raw = await (read_body(request, FRAMES_TYPE, MAX_FRAMES_BODY) if frames else read_body(request))
         if engine is None:
             return error(503, "no_engine", no_engine)
@@ -124,17 +159,47 @@ def check_host(request: Request) -> None:
 
 def check_token(request: Request, token: str | None) -> None:
     """The routes pin, evict and read prompts' token ids: beyond loopback they answer only a bearer of
-    the process's KVCTL_ROUTES_TOKEN (and none at all without one); with a token set, always."""
-    server = request.scope.get("server")
+    the process's routes token (and none at all without one); with a token set, always."""
     if not token:
-        if server and server[1] is not None and not _is_loopback_address(server[0]):  # TCP beyond loopback
-            raise Forbidden(f"kvctl's routes are off on a server bound beyond loopback without {TOKEN_VARIABLE}; "
-                            "set it in the engine's environment (kvctl config init writes one to env.sh)")
+        if beyond_loopback(request):
+            raise Forbidden(f"this server's management routes are off beyond loopback without a routes token; "
+                            f"set {TOKEN_FILE_VARIABLE} (or {TOKEN_VARIABLE}) in the engine's environment "
+                            "(kvctl config init writes one to env.sh)")
         return
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
         raise Unauthorized(f"a bearer token is required: send 'Authorization: Bearer ${TOKEN_VARIABLE}' "
                            "(source the configuration's env.sh)")
+
+
+def beyond_loopback(request: Request) -> bool:
+    """Whether the connection came over TCP to an address other than loopback (a Unix socket has none)."""
+    server = request.scope.get("server")
+    return bool(server and server[1] is not None and not _is_loopback_address(server[0]))
+
+
+class LMCacheRouteGuard:
+    """LMCache's own routes on an internal API server that also serves kvctl's (ASGI middleware): a
+    loopback Host on a loopback connection, as for kvctl's routes (a rebound DNS name must not read
+    /env); on a connection beyond loopback, the routes token for all but the read-only probes
+    (OPEN_PROBES): /env, /conf, /cache/*, /backends, /freeze/*, /run_script, /metrics/reset and the
+    rest read secrets or act, and answer nobody there without it."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and not scope["path"].startswith(PREFIX):  # kvctl's routes check themselves
+            request = Request(scope)
+            try:
+                check_host(request)
+                probe = scope["method"] in ("GET", "HEAD") and scope["path"].rstrip("/") in OPEN_PROBES
+                if beyond_loopback(request) and not probe:
+                    check_token(request, adopt_routes_token())
+            except Rejected as rejected:
+                await error(rejected.status, rejected.code, str(rejected))(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _is_loopback_address(address: str) -> bool:

@@ -42,7 +42,9 @@ def _tiers(body: dict[str, Any]) -> list[str] | None:
 
 @router.get("/info")
 async def info(request: Request) -> JSONResponse:
-    return await _serve(request, lambda engine, _: engine_ops.info(engine, PINS))
+    # routes_guard: what doctor reads to tell a guarded exposed port from an open one
+    return await _serve(request, lambda engine, _: {**engine_ops.info(engine, PINS), "routes_guard": {
+        "token": protocol.adopt_routes_token() is not None, "lmcache_routes": True}})
 
 
 @router.post("/lookup")
@@ -124,9 +126,11 @@ async def write_chunks(request: Request) -> Response:
 
 
 def install() -> None:
-    """Mount the router on every internal API server LMCache creates from now on."""
+    """Mount the router, and the guard of LMCache's own routes, on every internal API server LMCache
+    creates from now on; the routes token is taken out of the environment now (protocol.py)."""
     from lmcache.v1.internal_api_server.api_registry import APIRegistry
 
+    protocol.adopt_routes_token()
     original = APIRegistry.register_all_apis
     if getattr(original, "kvctl_wrapped", False):
         return
@@ -134,6 +138,7 @@ def install() -> None:
     def register_all_apis(self, categories=None):
         original(self, categories)
         self.app.include_router(router)
+        self.app.add_middleware(protocol.LMCacheRouteGuard)
 
     register_all_apis.kvctl_wrapped = True
     APIRegistry.register_all_apis = register_all_apis

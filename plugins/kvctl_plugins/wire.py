@@ -3,8 +3,9 @@
 Standard library only, and nothing at all at import time: kvctl's client imports this module, and
 `kvctl --help` must stay fast (protocol.py, which imports starlette, is for the servers).
 
-* where the routes live (PREFIX), their largest page (MAX_PAGE), the environment variable that holds
-  their bearer token (TOKEN_VARIABLE);
+* where the routes live (PREFIX), their largest page (MAX_PAGE), the environment variables that hold
+  their bearer token or name its file (TOKEN_VARIABLE, TOKEN_FILE_VARIABLE), and the probes of
+  LMCache's that stay open without it (OPEN_PROBES);
 * the body of a refusal: {ERROR_CODE: "not_found", ERROR_MESSAGE: "no pin 'x'"};
 * the tier names the routes answer with, in LMCache's lookup order, and LMCache's hit rule over
   them (StorageManager.batched_contains): each tier in order serves a prefix of what is still missing;
@@ -21,7 +22,11 @@ from collections.abc import Iterator, Mapping, Sequence
 
 PREFIX = "/kvctl/v1"
 MAX_PAGE = 10_000  # the most keys one GET {PREFIX}/keys answers (in-process and MP routes alike)
-TOKEN_VARIABLE = "KVCTL_ROUTES_TOKEN"  # written to env.sh (0600) by `kvctl config init` for a non-loopback bind
+TOKEN_VARIABLE = "KVCTL_ROUTES_TOKEN"  # the token itself, where a deployment's environment carries it
+TOKEN_FILE_VARIABLE = "KVCTL_ROUTES_TOKEN_FILE"  # a 0600 file holding it (`kvctl config init` writes one)
+# LMCache's own routes a server bound beyond loopback still answers without the token: read-only probes
+# that reveal no prompt, secret or setting (monitoring scrapes them); everything else needs the token there
+OPEN_PROBES = frozenset({"/metrics", "/lmc_version", "/version", "/commit_id", "/periodic-threads-health"})
 
 ERROR_CODE = "error"  # a refusal's machine-readable code: bad_request, not_found, unauthorized, ...
 ERROR_MESSAGE = "message"  # what a person reads

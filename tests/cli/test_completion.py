@@ -22,7 +22,7 @@ def test_checked_in_scripts_are_up_to_date(shell):
 # every command a user sees, in the order kvctl --help lists them
 TOP_COMMANDS = ["config", "serve", "prewarm", "lookup", "keys", "ls", "pin", "unpin", "pins", "snapshot", "evict",
                 "health", "stats", "top", "freeze", "hot-cache", "backends", "conf", "chunk-stats", "quota",
-                "reconfigure", "checksums", "doctor", "version", "model", "completion"]
+                "reconfigure", "checksums", "plugins", "doctor", "version", "model", "completion"]
 
 def bash_complete(*words, path=None, env=None, cwd=None):
     line = " ".join(f"'{word}'" for word in words)

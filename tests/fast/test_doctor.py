@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from kvctl.core.doctor import (
     UNSET,
     Finding,
     KeyFacts,
     Report,
+    RouteGuard,
     compare_members,
     compare_with_config,
     disk_findings,
@@ -116,11 +119,24 @@ def test_lookups_that_hit_without_retrieves_are_an_error():
 def test_exposure():
     values = {"internal_api_server_enabled": True, "internal_api_server_host": "0.0.0.0",
               "run_script_api_enabled": True}
-    assert levels(exposure_findings(values, {}, "cfg")) == [("error", "exposure")] * 2
-    assert levels(exposure_findings(values, {"KVCTL_ROUTES_TOKEN": "t"}, "cfg"))[0] == ("warning", "exposure")
-    assert exposure_findings({"internal_api_server_enabled": True, "internal_api_server_host": "127.0.0.1"}, {},
-                             "cfg") == []
-    assert levels(exposure_findings({"http_host": "0.0.0.0"}, {}, "mp")) == [("error", "exposure")]
+    assert levels(exposure_findings(values, RouteGuard(), "cfg")) == [("error", "exposure")] * 2
+    guarded = exposure_findings(values, RouteGuard(plugins=True, token=True), "cfg")
+    assert levels(guarded)[0] == ("warning", "exposure") and "guarded" in guarded[0].what
+    assert exposure_findings({"internal_api_server_enabled": True, "internal_api_server_host": "127.0.0.1"},
+                             RouteGuard(), "cfg") == []
+    # MP servers' own routes have no guard, token or not
+    assert levels(exposure_findings({"http_host": "0.0.0.0"}, RouteGuard(True, True), "mp")) == [("error", "exposure")]
+
+
+@pytest.mark.parametrize("guard, gap", [
+    (RouteGuard(token=True), "plugins are not loaded"),  # a token alone leaves LMCache's /env, /conf ... open
+    (RouteGuard(plugins=True), "no routes token"),
+    (RouteGuard(plugins=True, token=True, token_in_env=True), "readable from GET /env"),
+])
+def test_an_exposed_internal_api_is_an_error_unless_the_whole_guard_holds(guard, gap):
+    values = {"internal_api_server_enabled": True, "internal_api_server_host": "10.0.0.5"}
+    (finding,) = exposure_findings(values, guard, "cfg")
+    assert finding.level == "error" and gap in finding.what
 
 
 def test_secrets_in_readable_files(tmp_path):

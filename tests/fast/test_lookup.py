@@ -35,7 +35,7 @@ def causes(result) -> list[str]:
 
 def test_a_fully_stored_prompt_hits_every_token():
     result = lookup(PROMPT, TARGET, deployment(TARGET, {"disk": chunks_of(PROMPT)}))
-    assert result.hit_tokens == {"cpu": 0, "disk": 64, "redis": 0, "total": 64}
+    assert result.hit_tokens == {"cpu": None, "disk": 64, "redis": 0, "total": 64}  # no CPU tier to check
     assert result.tiers_checked == ["disk", "redis"] and result.errors == {}
     assert [(chunk.start, chunk.end, chunk.tiers) for chunk in result.chunks] == [
         (0, 16, ["disk"]), (16, 32, ["disk"]), (32, 48, ["disk"]), (48, 64, ["disk"])]
@@ -175,7 +175,7 @@ def mp_chunks(recipe=MP_RECIPE, tokens=PROMPT, indices=None):
 def test_mp_lookup_reads_fs_and_resp_names():
     result = lookup(PROMPT, MP_TARGET, deployment(MP_TARGET, {"disk": mp_chunks(indices=[0, 1]),
                                                               "redis": mp_chunks()}))
-    assert result.mode == "mp" and result.hit_tokens == {"cpu": 0, "disk": 32, "redis": 64, "total": 64}
+    assert result.mode == "mp" and result.hit_tokens == {"cpu": None, "disk": 32, "redis": 64, "total": 64}
     assert [chunk.key for chunk in result.chunks] == [key.native_key() for key in mp_chunks()]
 
 
@@ -216,7 +216,7 @@ def test_engine_answers_count_a_chunk_only_where_every_rank_has_it():
     rank1 = engine_answer([["cpu", "disk"], ["disk"], ["disk"], []])
     result = from_engine_answers(INFO, [rank0, rank1])
     assert [chunk.tiers for chunk in result.chunks] == [["cpu", "disk"], ["disk"], ["disk"], []]
-    assert result.hit_tokens == {"cpu": 16, "disk": 48, "redis": 0, "total": 48}
+    assert result.hit_tokens == {"cpu": 16, "disk": 48, "redis": None, "total": 48}
     assert (result.model, result.mode, result.prompt_tokens) == ("org/tiny", "inprocess", 64)
 
 
@@ -226,4 +226,4 @@ def test_engine_answers_leave_out_tiers_not_every_rank_checked_or_that_failed():
     result = from_engine_answers(INFO, [rank0, rank1], {"redis": "Redis is down"})
     assert result.tiers_checked == ["cpu"] and result.errors == {"redis": "Redis is down"}
     assert all(chunk.tiers == ["cpu"] for chunk in result.chunks)
-    assert result.hit_tokens == {"cpu": 64, "disk": 0, "redis": 0, "total": 64}
+    assert result.hit_tokens == {"cpu": 64, "disk": None, "redis": None, "total": 64}  # never a 0 not seen

@@ -1,8 +1,11 @@
 """kvctl's routes behind a bearer token: an engine whose environment holds KVCTL_ROUTES_TOKEN (as
 `kvctl config init --internal-api-host` beyond loopback writes it to env.sh) answers only its bearer;
-kvctl sends it from the environment. Without a token, a non-loopback bind answers no one."""
+kvctl sends each instance its own token and no other server any. Without a token, a non-loopback
+bind answers no one (test_route_token_exposure.py)."""
 
 import json
+import threading
+from http.server import ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -10,6 +13,7 @@ import pytest
 from kvctl.core.config_init import ConfigRequest, build_config
 from kvctl.core.lmcache_config import parse_env_file
 from tests.helpers import (
+    Answers200,
     free_port,
     http_json,
     proxy_answering_200,
@@ -58,3 +62,49 @@ def test_a_proxy_in_the_environment_never_sees_kvctl_requests(monkeypatch):
     with proxy_answering_200(monkeypatch) as proxied:
         result = run_kvctl("health", "--instance", "http://127.0.0.1:1", "--format", "json")
     assert result.code == 3 and proxied == []
+
+
+@pytest.mark.slow
+def test_each_fleet_member_gets_its_own_token_and_no_other_server_any(tmp_path):
+    """Two engines with different tokens and a stranger in one inventory, kvctl's environment holding a
+    third token: each engine answers (its own token from its entry), the stranger and the vLLM URL
+    that tokenizes the prompt never see an Authorization header."""
+    stranger = ThreadingHTTPServer(("127.0.0.1", free_port()), Answers200)
+    stranger.requests, stranger.authorizations = [], []
+    threading.Thread(target=stranger.serve_forever, daemon=True).start()
+    stranger_url = f"http://127.0.0.1:{stranger.server_port}"
+    engines, urls = [], {}
+    try:
+        for name, token in (("a", "token-of-a-0123456789"), ("b", "token-of-b-0123456789")):
+            port_start = free_port()
+            assert run_kvctl("config", "init", "--out", tmp_path / name, "--tier", "cpu:0.05",
+                             "--internal-api-port-start", port_start).code == 0
+            (tmp_path / name / "env.sh").open("a").write(f"export KVCTL_ROUTES_TOKEN={token}\n")
+            engines.append(start_standalone_engine(tmp_path / name, tmp_path / f"{name}.log",
+                                                   env={"KVCTL_ROUTES_TOKEN": token}))
+            urls[name] = f"http://127.0.0.1:{port_start + 1}"
+        (tmp_path / "a.token").write_text("token-of-a-0123456789\n")
+        inventory = tmp_path / "kvctl.yaml"
+        inventory.write_text(json.dumps({"instances": {
+            "a": {"internal_api": urls["a"], "token_file": "a.token", "vllm": stranger_url},
+            "b": {"internal_api": urls["b"], "env_file": "b/env.sh"},
+            "stranger": {"internal_api": stranger_url}}}))
+        for (name, url), proc in zip(urls.items(), engines):
+            wait_until(lambda url=url: http_json("GET", f"{url}/lmc_version"), 120, name, proc,
+                       tmp_path / f"{name}.log")
+        env = {"KVCTL_ROUTES_TOKEN": "token-of-kvctls-environment"}
+        listed = run_kvctl("ls", "--instance", "all", "--inventory", inventory, "--format", "json", env=env)
+        reports = {report["instance"]: report for report in json.loads(listed.stdout)["instances"]}
+        assert not reports["a"].get("errors") and not reports["b"].get("errors"), reports
+        assert reports["stranger"]["errors"] and listed.code == 6
+        (tmp_path / "prompt.txt").write_text("hello " * 40)
+        run_kvctl("lookup", "--prompt-file", tmp_path / "prompt.txt", "--instance", "a", "--inventory", inventory,
+                  env=env)  # tokenized by a's vLLM URL: the stranger
+        assert stranger.requests and set(stranger.authorizations) == {None}, stranger.requests
+        # a URL addressed alone takes kvctl's environment's token, and the wrong one is refused
+        alone = run_kvctl("ls", "--instance", urls["a"], "--format", "json", env=env)
+        assert alone.code == 4 and "KVCTL_ROUTES_TOKEN" in alone.stderr
+    finally:
+        stranger.shutdown()
+        for proc in engines:
+            stop_process(proc, grace=5)

@@ -36,7 +36,15 @@ def test_clients_use_the_contract():
 
 
 def test_lookup_uses_the_one_rule():
-    assert lookup.tier_hit_tokens is wire.hit_tokens and lookup.TIER_ORDER is wire.TIER_ORDER
+    assert lookup.wire_hit_tokens is wire.hit_tokens and lookup.TIER_ORDER is wire.TIER_ORDER
+
+
+def test_a_tier_not_checked_hits_nothing_known_rather_than_zero():
+    """LMCache's rule walks the tiers it has; kvctl's report says None for one it could not see."""
+    presence = {"disk": [True, True, False]}
+    assert wire.hit_tokens(presence, [256, 256, 100])["cpu"] == 0
+    assert lookup.tier_hit_tokens(presence, [256, 256, 100]) == {"cpu": None, "disk": 512, "redis": None,
+                                                                 "total": 512}
 
 
 @pytest.mark.parametrize("flags, expected", [
