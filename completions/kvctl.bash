@@ -40,6 +40,7 @@ _kvctl_complete() {
             "pin|apply") kv_path="pin apply"; continue ;;
             "snapshot|save") kv_path="snapshot save"; continue ;;
             "snapshot|load") kv_path="snapshot load"; continue ;;
+            "snapshot|copy") kv_path="snapshot copy"; continue ;;
             "snapshot|ls") kv_path="snapshot ls"; continue ;;
             "backends|ls") kv_path="backends ls"; continue ;;
             "backends|attach") kv_path="backends attach"; continue ;;
@@ -67,10 +68,10 @@ _kvctl_complete() {
         case "$kv_path" in
             "") valued=" --format " ;;
             "config") valued=" --format " ;;
-            "config init") valued=" --out -o --mode --tier --chunk-size --hash-algorithm --internal-api-port-start --internal-api-host --mp-port --mp-http-port --model --instance-id --format " ;;
+            "config init") valued=" --out -o --mode --tier --chunk-size --hash-algorithm --internal-api-port-start --internal-api-host --mp-port --mp-http-port --model --instance-id --controller --format " ;;
             "config validate") valued=" --mode --block-size --format " ;;
             "config show") valued=" --format " ;;
-            "serve") valued=" --mode --tier --config --host --port --internal-api-port-start --mp-port --mp-http-port --coordinator --coordinator-port --name --state --pins --format " ;;
+            "serve") valued=" --mode --tier --config --host --port --internal-api-port-start --mp-port --mp-http-port --coordinator --coordinator-port --controller-url --controller-port --name --state --pins --format " ;;
             "prewarm") valued=" --concurrency --from-tier --instance --vllm-url --state --format " ;;
             "lookup") valued=" --prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --instance --state --inventory --timeout --format " ;;
             "keys") valued=" --prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --format " ;;
@@ -82,6 +83,7 @@ _kvctl_complete() {
             "snapshot") valued=" --format " ;;
             "snapshot save") valued=" --out -o --prompt-file --chat --tokens-file --pin-set --tier --model --vllm-url --instance --state --config --kv-dtype --world-size --hash-seed --format " ;;
             "snapshot load") valued=" --tier --model --vllm-url --instance --state --config --kv-dtype --world-size --hash-seed --format " ;;
+            "snapshot copy") valued=" --from --to --prompt-file --chat --tokens-file --pin-set --tier --model --format " ;;
             "snapshot ls") valued=" --format " ;;
             "evict") valued=" --prompt-file --chat --tokens-file --key --tier --model --vllm-url --instance --state --inventory --timeout --coordinator --config --kv-dtype --world-size --hash-seed --format " ;;
             "health") valued=" --instance --state --inventory --timeout --format " ;;
@@ -140,6 +142,7 @@ _kvctl_complete() {
             "config init|--mp-http-port") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "config init|--model") COMPREPLY=($(kvctl complete-values models "$cur" 2>/dev/null)); return ;;
             "config init|--instance-id") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "config init|--controller") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "config init|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
             "config validate|--mode") COMPREPLY=($(compgen -W "inprocess mp" -- "$cur")); return ;;
             "config validate|--block-size") COMPREPLY=($(compgen -f -- "$cur")); return ;;
@@ -155,6 +158,8 @@ _kvctl_complete() {
             "serve|--mp-http-port") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "serve|--coordinator") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "serve|--coordinator-port") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "serve|--controller-url") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "serve|--controller-port") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "serve|--name") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "serve|--state") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "serve|--pins") COMPREPLY=($(compgen -f -- "$cur")); return ;;
@@ -266,6 +271,15 @@ _kvctl_complete() {
             "snapshot load|--world-size") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "snapshot load|--hash-seed") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "snapshot load|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
+            "snapshot copy|--from") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "snapshot copy|--to") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "snapshot copy|--prompt-file") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "snapshot copy|--chat") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "snapshot copy|--tokens-file") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "snapshot copy|--pin-set") COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            "snapshot copy|--tier") COMPREPLY=($(compgen -W "cpu disk redis all" -- "$cur")); return ;;
+            "snapshot copy|--model") COMPREPLY=($(kvctl complete-values models "$cur" 2>/dev/null)); return ;;
+            "snapshot copy|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
             "snapshot ls|--format") COMPREPLY=($(compgen -W "table json" -- "$cur")); return ;;
             "evict|--prompt-file") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "evict|--chat") COMPREPLY=($(compgen -f -- "$cur")); return ;;
@@ -430,10 +444,10 @@ _kvctl_complete() {
         case "$kv_path" in
             "") words="--format --debug -q --quiet --show-completion --install-completion -h --help" ;;
             "config") words="--format --debug -q --quiet -h --help" ;;
-            "config init") words="--out -o --mode --tier --chunk-size --hash-algorithm --internal-api-port-start --internal-api-host --mp-port --mp-http-port --model --instance-id --plugins --no-plugins --force --no-force --format --debug -q --quiet -h --help" ;;
+            "config init") words="--out -o --mode --tier --chunk-size --hash-algorithm --internal-api-port-start --internal-api-host --mp-port --mp-http-port --model --instance-id --plugins --no-plugins --controller --force --no-force --format --debug -q --quiet -h --help" ;;
             "config validate") words="--mode --block-size --lmcache --no-lmcache --format --debug -q --quiet -h --help" ;;
             "config show") words="--sources --changed --format --debug -q --quiet -h --help" ;;
-            "serve") words="--mode --tier --config --host --port --internal-api-port-start --mp-port --mp-http-port --coordinator --coordinator-port --no-coordinator --keep-lmcache-env --name --state --dry-run --pins --format --debug -q --quiet -h --help" ;;
+            "serve") words="--mode --tier --config --host --port --internal-api-port-start --mp-port --mp-http-port --coordinator --coordinator-port --no-coordinator --controller --controller-url --controller-port --keep-lmcache-env --name --state --dry-run --pins --format --debug -q --quiet -h --help" ;;
             "prewarm") words="--chat --concurrency --from-tier --instance --vllm-url --state --format --debug -q --quiet -h --help" ;;
             "lookup") words="--prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --instance --offline --state --inventory --timeout --format --debug -q --quiet -h --help" ;;
             "keys") words="--prompt-file --chat --tokens-file --model --config --kv-dtype --world-size --hash-seed --vllm-url --format --debug -q --quiet -h --help" ;;
@@ -445,6 +459,7 @@ _kvctl_complete() {
             "snapshot") words="--format --debug -q --quiet -h --help" ;;
             "snapshot save") words="--out -o --prompt-file --chat --tokens-file --pin-set --tier --all --force --model --vllm-url --instance --state --config --kv-dtype --world-size --hash-seed --format --debug -q --quiet -h --help" ;;
             "snapshot load") words="--tier --model --vllm-url --instance --state --config --kv-dtype --world-size --hash-seed --format --debug -q --quiet -h --help" ;;
+            "snapshot copy") words="--from --to --prompt-file --chat --tokens-file --pin-set --tier --model --format --debug -q --quiet -h --help" ;;
             "snapshot ls") words="--format --debug -q --quiet -h --help" ;;
             "evict") words="--prompt-file --chat --tokens-file --key --tier --all --dry-run --yes -y --force --model --vllm-url --instance --state --inventory --timeout --coordinator --config --kv-dtype --world-size --hash-seed --format --debug -q --quiet -h --help" ;;
             "health") words="--instance --state --inventory --timeout --format --debug -q --quiet -h --help" ;;
@@ -495,7 +510,7 @@ _kvctl_complete() {
             "prewarm") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "pin") words="apply" ;;
             "pin apply") COMPREPLY=($(compgen -f -- "$cur")); return ;;
-            "snapshot") words="save load ls" ;;
+            "snapshot") words="save load copy ls" ;;
             "snapshot load") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "snapshot ls") COMPREPLY=($(compgen -f -- "$cur")); return ;;
             "freeze") COMPREPLY=($(compgen -W "on off status" -- "$cur")); return ;;

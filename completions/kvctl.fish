@@ -109,6 +109,9 @@ function __kvctl_path
             case 'snapshot|load'
                 set kv_path 'snapshot load'
                 continue
+            case 'snapshot|copy'
+                set kv_path 'snapshot copy'
+                continue
             case 'snapshot|ls'
                 set kv_path 'snapshot ls'
                 continue
@@ -183,13 +186,13 @@ function __kvctl_path
             case 'config'
                 set valued --format
             case 'config init'
-                set valued --out -o --mode --tier --chunk-size --hash-algorithm --internal-api-port-start --internal-api-host --mp-port --mp-http-port --model --instance-id --format
+                set valued --out -o --mode --tier --chunk-size --hash-algorithm --internal-api-port-start --internal-api-host --mp-port --mp-http-port --model --instance-id --controller --format
             case 'config validate'
                 set valued --mode --block-size --format
             case 'config show'
                 set valued --format
             case 'serve'
-                set valued --mode --tier --config --host --port --internal-api-port-start --mp-port --mp-http-port --coordinator --coordinator-port --name --state --pins --format
+                set valued --mode --tier --config --host --port --internal-api-port-start --mp-port --mp-http-port --coordinator --coordinator-port --controller-url --controller-port --name --state --pins --format
             case 'prewarm'
                 set valued --concurrency --from-tier --instance --vllm-url --state --format
             case 'lookup'
@@ -212,6 +215,8 @@ function __kvctl_path
                 set valued --out -o --prompt-file --chat --tokens-file --pin-set --tier --model --vllm-url --instance --state --config --kv-dtype --world-size --hash-seed --format
             case 'snapshot load'
                 set valued --tier --model --vllm-url --instance --state --config --kv-dtype --world-size --hash-seed --format
+            case 'snapshot copy'
+                set valued --from --to --prompt-file --chat --tokens-file --pin-set --tier --model --format
             case 'snapshot ls'
                 set valued --format
             case 'evict'
@@ -355,6 +360,7 @@ complete -c kvctl -n '__kvctl_at '\''config init'\''' -l mp-http-port -r -F -d '
 complete -c kvctl -n '__kvctl_at '\''config init'\''' -l model -x -a '(kvctl complete-values models (commandline -ct))' -d 'Model kvctl commands use by default with this config.'
 complete -c kvctl -n '__kvctl_at '\''config init'\''' -l instance-id -r -F -d 'lmcache_instance_id (default: from the directory name).'
 complete -c kvctl -n '__kvctl_at '\''config init'\''' -l plugins -l no-plugins -d 'In-process mode: load kvctl'\''s plugins into vLLM (management routes, CPU connector, restart-proof disk tier).'
+complete -c kvctl -n '__kvctl_at '\''config init'\''' -l controller -r -F -d 'In-process mode: register with LMCache'\''s controller at HOST:PORT (its HTTP port; the ZMQ ports beside it as kvctl serve --controller starts them), heartbeats on.'
 complete -c kvctl -n '__kvctl_at '\''config init'\''' -l force -l no-force -d 'Replace existing files.'
 complete -c kvctl -n '__kvctl_at '\''config init'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
 complete -c kvctl -n '__kvctl_at '\''config init'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
@@ -387,6 +393,9 @@ complete -c kvctl -n '__kvctl_at '\''serve'\''' -l mp-http-port -r -F -d 'MP mod
 complete -c kvctl -n '__kvctl_at '\''serve'\''' -l coordinator -r -F -d 'MP mode: use this LMCache coordinator (URL) instead of starting one.'
 complete -c kvctl -n '__kvctl_at '\''serve'\''' -l coordinator-port -r -F -d 'MP mode: the port of the coordinator kvctl starts on 127.0.0.1.'
 complete -c kvctl -n '__kvctl_at '\''serve'\''' -l no-coordinator -d 'MP mode: start no coordinator (MP pins need one).'
+complete -c kvctl -n '__kvctl_at '\''serve'\''' -l controller -d 'In-process mode: start LMCache'\''s controller on 127.0.0.1 (--controller-port and the next three ports) and register with it.'
+complete -c kvctl -n '__kvctl_at '\''serve'\''' -l controller-url -r -F -d 'In-process mode: register with this LMCache controller (HOST:PORT of its HTTP API) instead of starting one.'
+complete -c kvctl -n '__kvctl_at '\''serve'\''' -l controller-port -r -F -d 'The HTTP port of the controller --controller starts.'
 complete -c kvctl -n '__kvctl_at '\''serve'\''' -l keep-lmcache-env -d 'Pass inherited LMCACHE_* variables on to vLLM and LMCache, where they override the configuration (by default they are left out, and named).'
 complete -c kvctl -n '__kvctl_at '\''serve'\''' -l name -r -F -d 'Name of this instance (its files live under kvctl'\''s cache).'
 complete -c kvctl -n '__kvctl_at '\''serve'\''' -l state -r -F -d 'State file other kvctl commands read (default: kvctl'\''s cache/serve/state.json).'
@@ -510,6 +519,7 @@ complete -c kvctl -n '__kvctl_at '\''pins'\''' -s q -l quiet -d 'Only data on st
 complete -c kvctl -n '__kvctl_at '\''pins'\''' -s h -l help -d 'Show help and exit.'
 complete -c kvctl -f -n '__kvctl_at '\''snapshot'\''' -a save -d 'Save prompts'\'' cached chunks (or a whole tier'\''s) with a manifest...'
 complete -c kvctl -f -n '__kvctl_at '\''snapshot'\''' -a load -d 'Load a snapshot: refuse a target that would make other keys, verify...'
+complete -c kvctl -f -n '__kvctl_at '\''snapshot'\''' -a copy -d 'Copy prompts'\'' cached chunks from one live instance to another,...'
 complete -c kvctl -f -n '__kvctl_at '\''snapshot'\''' -a ls -d 'What a snapshot holds: what made its keys, versions, its prompts...'
 complete -c kvctl -n '__kvctl_at '\''snapshot'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
 complete -c kvctl -n '__kvctl_at '\''snapshot'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
@@ -549,6 +559,18 @@ complete -c kvctl -n '__kvctl_at '\''snapshot load'\''' -l format -x -a 'table j
 complete -c kvctl -n '__kvctl_at '\''snapshot load'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
 complete -c kvctl -n '__kvctl_at '\''snapshot load'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
 complete -c kvctl -n '__kvctl_at '\''snapshot load'\''' -s h -l help -d 'Show help and exit.'
+complete -c kvctl -n '__kvctl_at '\''snapshot copy'\''' -l from -r -F -d 'The instance that holds the prompts'\'' chunks (a name, a kvctl serve name, or a URL).'
+complete -c kvctl -n '__kvctl_at '\''snapshot copy'\''' -l to -r -F -d 'The instance to copy them into.'
+complete -c kvctl -n '__kvctl_at '\''snapshot copy'\''' -l prompt-file -r -F -d 'A prompt'\''s text file (repeatable).'
+complete -c kvctl -n '__kvctl_at '\''snapshot copy'\''' -l chat -r -F -d 'A JSON chat file (repeatable).'
+complete -c kvctl -n '__kvctl_at '\''snapshot copy'\''' -l tokens-file -r -F -d 'A JSON token-ids file (repeatable).'
+complete -c kvctl -n '__kvctl_at '\''snapshot copy'\''' -l pin-set -r -F -d 'Every prompt of a pin set file.'
+complete -c kvctl -n '__kvctl_at '\''snapshot copy'\''' -l tier -x -a 'cpu disk redis all' -d 'Where the chunks go on the target (default: its CPU tier).'
+complete -c kvctl -n '__kvctl_at '\''snapshot copy'\''' -l model -x -a '(kvctl complete-values models (commandline -ct))' -d 'The value of vLLM'\''s --model: names the keys (only this model'\''s chunks are taken), and a local directory also gives the tokenizer.'
+complete -c kvctl -n '__kvctl_at '\''snapshot copy'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
+complete -c kvctl -n '__kvctl_at '\''snapshot copy'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'
+complete -c kvctl -n '__kvctl_at '\''snapshot copy'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
+complete -c kvctl -n '__kvctl_at '\''snapshot copy'\''' -s h -l help -d 'Show help and exit.'
 complete -c kvctl -n '__kvctl_at '\''snapshot ls'\''' -r -F
 complete -c kvctl -n '__kvctl_at '\''snapshot ls'\''' -l format -x -a 'table json' -d 'Output format: table (default on a terminal) or json (default when piped).'
 complete -c kvctl -n '__kvctl_at '\''snapshot ls'\''' -l debug -d 'Show tracebacks of errors (also KVCTL_DEBUG=1).'

@@ -43,6 +43,9 @@ def init(
                                                     "name).")] = None,
     plugins: Annotated[bool, typer.Option(help="In-process mode: load kvctl's plugins into vLLM (management "
                                           "routes, CPU connector, restart-proof disk tier).")] = True,
+    controller: Annotated[str | None, typer.Option(
+        help="In-process mode: register with LMCache's controller at HOST:PORT (its HTTP port; the ZMQ ports "
+             "beside it as kvctl serve --controller starts them), heartbeats on.")] = None,
     force: Annotated[bool, typer.Option(help="Replace existing files.")] = False,
 ) -> None:
     """Write a working LMCache configuration that kvctl can manage."""
@@ -55,6 +58,7 @@ def init(
         hash_algorithm=hash_algorithm.value if hash_algorithm else None,
         internal_api_port_start=internal_api_port_start, mp_port=mp_port, mp_http_port=mp_http_port,
         model=model, instance_id=instance_id, plugins=plugins, internal_api_host=internal_api_host,
+        controller=controller,
     )
     generated = build_config(request, out)
     written = write_files(generated.render(out.expanduser().absolute()), out, force)

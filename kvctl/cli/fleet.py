@@ -22,11 +22,12 @@ def open_one(chosen):
 
 
 def run_fleet(chosen, operation: Callable[[Any], Any], timeout: float):
-    """`operation(instance)` on every inventory member at once (each opened on its own thread)."""
+    """`operation(instance)` on every fleet member at once (the inventory's, or a controller's; each
+    opened on its own thread)."""
     from kvctl.core import instances
     from kvctl.core.instance import open_instance
 
-    members = instances.resolve("all", chosen.state, chosen.inventory)
+    members = instances.resolve(chosen.instance, chosen.state, chosen.inventory)
     outcomes = instances.fan_out(members, lambda address: operation(open_instance(chosen, address)), timeout)
     return instances.FleetReport(outcomes)
 

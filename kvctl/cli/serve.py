@@ -34,6 +34,12 @@ def serve(
                                                   "127.0.0.1.")] = 9300,
     no_coordinator: Annotated[bool, typer.Option("--no-coordinator", help="MP mode: start no coordinator (MP "
                                                  "pins need one).")] = False,
+    controller: Annotated[bool, typer.Option("--controller", help="In-process mode: start LMCache's controller on "
+                                             "127.0.0.1 (--controller-port and the next three ports) and register "
+                                             "with it.")] = False,
+    controller_url: Annotated[str | None, typer.Option(help="In-process mode: register with this LMCache controller "
+                                                       "(HOST:PORT of its HTTP API) instead of starting one.")] = None,
+    controller_port: Annotated[int, typer.Option(help="The HTTP port of the controller --controller starts.")] = 9000,
     keep_lmcache_env: Annotated[bool, typer.Option("--keep-lmcache-env", help="Pass inherited LMCACHE_* variables "
                                                    "on to vLLM and LMCache, where they override the configuration "
                                                    "(by default they are left out, and named).")] = False,
@@ -69,7 +75,9 @@ def serve(
                       host=host, port=port, internal_api_port_start=internal_api_port_start, mp_port=mp_port,
                       mp_http_port=mp_http_port, state_file=state, extra_vllm_args=extra_vllm_args,
                       coordinator=coordinator, start_coordinator=not no_coordinator, coordinator_port=coordinator_port,
-                      keep_lmcache_env=keep_lmcache_env, write=not dry_run)
+                      keep_lmcache_env=keep_lmcache_env, controller=controller_url,
+                      start_controller=controller and not controller_url, controller_port=controller_port,
+                      write=not dry_run)
     if dry_run:
         shown_plan = plan.as_dict()
         out.emit(shown_plan, _plan_lines(shown_plan))

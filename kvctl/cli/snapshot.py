@@ -57,15 +57,8 @@ def save(
     prompt's token ids. Chunks no tier holds are reported (exit 6); nothing cached at all is an error.
     """
     from kvctl.core import snapshot
-    from kvctl.core.tokens import PromptSource
 
-    sources = ([(path, PromptSource(prompt_file=path)) for path in prompt_file or []]
-               + [(path, PromptSource(chat=path)) for path in chat or []]
-               + [(path, PromptSource(tokens_file=path)) for path in tokens_file or []])
-    if pin_set is not None:
-        from kvctl.core import pinsets
-
-        sources += [(entry.label, entry.source()) for entry in pinsets.load(pin_set).entries]
+    sources = _prompt_sources(prompt_file, chat, tokens_file, pin_set)
     if everything != (tier is not None) or not (sources or everything):
         raise UsageError("say what to save: --prompt-file/--chat/--tokens-file, --pin-set, or --tier T --all",
                          hint="e.g. kvctl snapshot save --prompt-file system.txt -o warm.kvsnap")
@@ -119,6 +112,66 @@ def load(
         ctx.obj.error(f"not everything stayed: {dropped} chunks were not kept by the tier, and saved prompts are "
                       "not all wholly cached", hint="the tier may be too small for the snapshot: see kvctl stats")
         raise typer.Exit(ExitCode.PARTIAL)
+
+
+@app.command("copy")
+def copy_live(
+    ctx: typer.Context,
+    source: Annotated[str, typer.Option("--from", help="The instance that holds the prompts' chunks (a name, a "
+                                        "kvctl serve name, or a URL).")],
+    target: Annotated[str, typer.Option("--to", help="The instance to copy them into.")],
+    prompt_file: Annotated[list[str] | None, typer.Option("--prompt-file", help="A prompt's text file "
+                                                          "(repeatable).")] = None,
+    chat: Annotated[list[str] | None, typer.Option("--chat", help="A JSON chat file (repeatable).")] = None,
+    tokens_file: Annotated[list[str] | None, typer.Option("--tokens-file", help="A JSON token-ids file "
+                                                          "(repeatable).")] = None,
+    pin_set: Annotated[Path | None, typer.Option("--pin-set", help="Every prompt of a pin set file.")] = None,
+    tier: Annotated[Tier | None, typer.Option("--tier", help="Where the chunks go on the target (default: its "
+                                              "CPU tier).")] = None,
+    model: ModelOption = None,
+) -> None:
+    """Copy prompts' cached chunks from one live instance to another, verified.
+
+    Read from the source, checksummed, written through the target (refused where it makes other
+    keys), then read back from the target and compared chunk by chunk. This is the verified way to
+    move a warm prompt between nodes: LMCache's controller /move reports success on CPU machines while
+    leaving all-zero chunks. Exit 6 when a chunk is missing, dropped or comes back different.
+    """
+    from kvctl.core import snapshot
+
+    if tier is Tier.all:
+        raise UsageError("--tier all does not say where to write", hint="choose one of cpu, disk, redis")
+    sources = _prompt_sources(prompt_file, chat, tokens_file, pin_set)
+    if not sources:
+        raise UsageError("say what to copy: --prompt-file/--chat/--tokens-file or --pin-set",
+                         hint="e.g. kvctl snapshot copy --from node-a --to node-b --prompt-file system.txt")
+    origin, destination = open_one(selector(source, model=model)), open_one(selector(target, model=model))
+    report = snapshot.copy(origin, destination, snapshot.select_prompts(origin, sources, model), model,
+                           tier.value if tier else None)
+    rows = [(p.source, p.tokens, f"{p.cached}/{p.chunks}", p.hit_tokens) for p in report.loaded.prompts]
+    verified = report.as_dict()["verified"]
+    ctx.obj.emit(report.as_dict(), [Table(["prompt", "tokens", "cached chunks", "hit tokens"], rows,
+                                          caption=f"{report.source} -> {report.loaded.instance}: {verified} of "
+                                          f"{report.loaded.chunks} chunks verified on the target")])
+    if report.exit_code:
+        ctx.obj.error(f"not a whole copy: {len(report.saved.manifest.missing)} chunks missing on the source, "
+                      f"{sum(report.loaded.dropped.values())} dropped by the target, {len(report.mismatched)} "
+                      "differing", hint="prewarm the source first, and check the target's room (kvctl stats)")
+        raise typer.Exit(report.exit_code)
+
+
+def _prompt_sources(prompt_file, chat, tokens_file, pin_set) -> list:
+    """(label, PromptSource) for each prompt given, a pin set's entries included."""
+    from kvctl.core.tokens import PromptSource
+
+    sources = ([(path, PromptSource(prompt_file=path)) for path in prompt_file or []]
+               + [(path, PromptSource(chat=path)) for path in chat or []]
+               + [(path, PromptSource(tokens_file=path)) for path in tokens_file or []])
+    if pin_set is not None:
+        from kvctl.core import pinsets
+
+        sources += [(entry.label, entry.source()) for entry in pinsets.load(pin_set).entries]
+    return sources
 
 
 @app.command("ls")

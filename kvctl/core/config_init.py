@@ -58,6 +58,7 @@ class ConfigRequest:
     platform: str | None = None
     plugins: bool = True
     internal_api_host: str = LOOPBACK
+    controller: str | None = None  # LMCache's controller (in-process): controller://HOST:PORT or http://HOST:PORT
 
 
 @dataclass
@@ -148,6 +149,7 @@ def _build_inprocess(request: ConfigRequest, tiers: list[TierSpec], instance_id:
         "internal_api_server_port_start": request.internal_api_port_start,
         "run_script_api_enabled": False,
     })
+    controller_notes = _controller_keys(request, values, algorithm) if request.controller else []
     schema = inprocess_keys()
     env = {"PYTHONHASHSEED": HASH_SEED, **_model_env(request)}
     env.update({schema[key]["env"]: _env_text(value) for key, value in values.items()})
@@ -156,7 +158,7 @@ def _build_inprocess(request: ConfigRequest, tiers: list[TierSpec], instance_id:
         # vLLM imports this module in the scheduler and every worker and takes LMCacheConnectorV1 from it:
         # kvctl's management routes, the CPU connector and the restart-proof disk tier come along.
         kv_transfer["kv_connector_module_path"] = PLUGIN_MODULE
-    notes = []
+    notes = list(controller_notes)
     if not cpu:
         notes.append("no --tier cpu given: LMCache still needs a CPU staging tier, sized at 0.5 GB")
     if redis and redis.redis.scheme == "redis-sentinel":
@@ -167,6 +169,44 @@ def _build_inprocess(request: ConfigRequest, tiers: list[TierSpec], instance_id:
         notes.append(f"the internal API binds {shown(request.internal_api_host)}, beyond this machine: kvctl's routes "
                      f"answer only the bearer of {TOKEN_VARIABLE} (in env.sh, 0600; source it where kvctl runs)")
     return GeneratedConfig("inprocess", values, kv_transfer, env, notes)
+
+
+CONTROLLER_RANKS = 8  # worker ports written for tensor-parallel sizes up to 8 (one per rank)
+
+
+def controller_ports(http_port: int) -> dict[str, int]:
+    """The ZMQ ports of a controller kvctl starts (kvctl serve --controller), beside its HTTP port."""
+    return {"pull": http_port + 1, "reply": http_port + 2, "heartbeat": http_port + 3}
+
+
+def _controller_keys(request: ConfigRequest, values: dict[str, Any], algorithm: str) -> list[str]:
+    """Register every worker with LMCache's controller: its pull/reply sockets (kvctl's layout beside
+    the HTTP port), heartbeats on, and worker r's controller port at its internal API port +
+    WORKER_PORT_OFFSET, the relation kvctl's controller discovery relies on (and checks)."""
+    from kvctl.core.controller_fleet import WORKER_PORT_OFFSET, http_url
+
+    url = http_url(request.controller if "://" in request.controller else "controller://" + request.controller)
+    host, _, port = url.split("://", 1)[1].rpartition(":")
+    try:
+        ports = controller_ports(int(port))
+    except ValueError:
+        raise UsageError(f"{request.controller!r} names no controller port", hint="--controller HOST:PORT") from None
+    first_worker = request.internal_api_port_start + 1
+    values.update({
+        "enable_controller": True,
+        "controller_pull_url": f"{host}:{ports['pull']}",
+        "controller_reply_url": f"{host}:{ports['reply']}",
+        "lmcache_worker_ports": [first_worker + rank + WORKER_PORT_OFFSET for rank in range(CONTROLLER_RANKS)],
+        "lmcache_worker_heartbeat_time": 5,
+        "lmcache_worker_heartbeat_delay_time": 2,
+    })
+    notes = [f"the controller's ZMQ ports are taken as kvctl's layout: pull {ports['pull']}, reply {ports['reply']}, "
+             f"heartbeat {ports['heartbeat']} (kvctl serve --controller starts it so)"]
+    if algorithm != "builtin" or request.chunk_size != 256:
+        notes.append(f"the controller's /lookup hashes tokens with builtin and chunk size 256 only: with {algorithm} "
+                     f"and chunk size {request.chunk_size} it finds nothing; kvctl lookup --instance controller://… "
+                     "asks the instances themselves (or pass --hash-algorithm builtin --chunk-size 256)")
+    return notes
 
 
 def is_loopback(host: str) -> bool:
@@ -315,6 +355,8 @@ def _adapter_mapping(adapter: Any) -> Any:
 def _env_text(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, list) and all(isinstance(item, (int, float, str)) for item in value):
+        return ",".join(str(item) for item in value)  # LMCache splits list values of LMCACHE_* on commas
     if isinstance(value, (dict, list)):
         return json.dumps(value)
     return str(value)

@@ -755,13 +755,14 @@ def _unreachable(name: str, message: str, hint: str | None) -> Finding:
                    "miss for the fleet, and none of its checks ran", hint or "start it, or fix its address", name)
 
 
-def diagnose_fleet(state=None, inventory=None, timeout: float = TIMEOUT_S) -> Report:
-    """Every inventory member examined at once, then compared with each other; shared stores once."""
+def diagnose_fleet(state=None, inventory=None, timeout: float = TIMEOUT_S, fleet: str = "all") -> Report:
+    """Every fleet member (the inventory's, or a controller's) examined at once, then compared with
+    each other; shared stores once."""
     from kvctl.core import instances
     from kvctl.core.target import Store
     from kvctl.core.tiers import parse_redis_url
 
-    members = instances.resolve("all", state, inventory)
+    members = instances.resolve(fleet, state, inventory)
     outcomes = instances.fan_out(members, lambda address: examine(address, None, timeout), timeout + 5)
     findings: list[Finding] = []
     facts: dict[str, KeyFacts] = {}
@@ -790,6 +791,6 @@ def diagnose(selector, timeout: float = TIMEOUT_S) -> Report:
     if selector.config is not None and selector.instance is None:
         return diagnose_config(selector.config)
     if selector.fleet:
-        return diagnose_fleet(selector.state, selector.inventory, timeout)
+        return diagnose_fleet(selector.state, selector.inventory, timeout, selector.instance)
     address = instances.resolve(selector.instance, selector.state, selector.inventory)[0]
     return diagnose_instance(address, selector.config, timeout)

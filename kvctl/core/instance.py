@@ -345,7 +345,9 @@ class Selector:
 
     @property
     def fleet(self) -> bool:
-        return self.instance == "all"
+        from kvctl.core.controller_fleet import is_controller
+
+        return self.instance == "all" or is_controller(self.instance)
 
 
 def open_instance(selector: Selector, address=None) -> Instance:

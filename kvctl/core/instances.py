@@ -8,6 +8,9 @@ Inventory (`kvctl.yaml`; `--inventory`, `$KVCTL_INVENTORY`, `./kvctl.yaml`, or t
       b: {internal_api: http://127.0.0.1:7001, vllm: http://127.0.0.1:8001, token_file: b.token}
     redis: redis://127.0.0.1:6379/0                  # shared Redis tier (optional)
     coordinator: http://127.0.0.1:9300               # LMCache MP coordinator (optional)
+    controller: http://127.0.0.1:9000                # LMCache's controller: its instances join `all`
+
+`--instance controller://HOST:PORT` is a fleet from the controller alone (kvctl.core.controller_fleet).
 
 An instance's routes token (kvctl's routes, and LMCache's own beyond loopback) is its own: `token_file:`
 (the token alone) or `env_file:` (an env.sh), relative to the inventory, else its configuration's env.sh;
@@ -47,8 +50,11 @@ class Address:
     mp_http: str | None = None
     config_dir: str | None = None
     model: str | None = None
-    problem: str | None = None  # why a fleet member could not be found
+    problem: str | None = None  # why a fleet member could not be found (or must not be asked)
     coordinator: str | None = None  # the LMCache coordinator kvctl serve started (MP mode)
+    controller: str | None = None  # LMCache's controller that listed this instance (in-process fleets)
+    heartbeat_age_s: float | None = None  # how long ago the controller last heard from it
+    hint: str | None = None  # what to do about `problem`
 
     @property
     def worker(self) -> str | None:
@@ -216,17 +222,26 @@ def _from_inventory(name: str, entry: Any, path: Path) -> Address:
 def resolve(instance: str | None, state: Path | None = None, inventory: Path | None = None) -> list[Address]:
     """The instances a command addresses: `all` (the inventory), an inventory name, a `kvctl serve` name,
     a URL, or (nothing given) the most recent `kvctl serve`."""
+    from kvctl.core.controller_fleet import discover, is_controller
     from kvctl.core.launch import is_url, read_state
 
+    if is_controller(instance):
+        return discover(instance)
     if instance and is_url(instance):
         return [from_url(instance)]
     path = find_inventory(inventory)
-    entries = read_inventory(path)["instances"] if path else {}
+    inventory_data = read_inventory(path) if path else {"instances": {}}
+    entries = inventory_data["instances"]
     if instance == "all":
-        if not entries:
-            raise UsageError("--instance all needs an inventory that names instances", hint=f"write {INVENTORY_FILE} "
-                             "(see 'kvctl health --help') or pass --inventory FILE")
-        return [_member(name, entry, path) for name, entry in entries.items()]
+        controller = inventory_data.get("controller")
+        if not entries and not controller:
+            raise UsageError("--instance all needs an inventory that names instances or a controller",
+                             hint=f"write {INVENTORY_FILE} (see 'kvctl health --help'), pass --inventory FILE, or "
+                             "--instance controller://HOST:PORT")
+        members = [_member(name, entry, path) for name, entry in entries.items()]
+        if controller:  # the controller's instances the inventory does not name itself
+            members += [found for found in discover(str(controller)) if found.name not in entries]
+        return members
     if instance and instance in entries:
         return [_from_inventory(instance, entries[instance], path)]
     address = from_state(read_state(state, instance), instance)
@@ -303,7 +318,8 @@ def fan_out(instances: list[Address], operation: Callable[[Address], Any],
     def run(instance: Address) -> None:
         try:
             if instance.problem:
-                raise UnreachableError(instance.problem, hint="start it, or fix its entry in the inventory")
+                raise UnreachableError(instance.problem, hint=instance.hint or "start it, or fix its entry in the "
+                                       "inventory")
             outcomes[instance.name] = Outcome(instance.name, operation(instance))
         except KvctlError as error:
             outcomes[instance.name] = Outcome(instance.name, error=error.message, exit_code=error.exit_code,

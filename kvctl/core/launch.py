@@ -43,6 +43,7 @@ from kvctl.core.tiers import TierSpec
 
 DEFAULT_PORT = 8000
 DEFAULT_COORDINATOR_PORT = 9300
+DEFAULT_CONTROLLER_PORT = 9000  # LMCache's controller (in-process fleets); its ZMQ ports are the next three
 LOOPBACK = "127.0.0.1"
 QUIET_ENV = {"LMCACHE_DISABLE_BANNER": "1", "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1",
              "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -60,9 +61,10 @@ HEALTHY = {"status": "healthy"}  # what LMCache's MP server (/healthcheck) and c
 @dataclass
 class Readiness:
     """Proof that a component is up and is the one kvctl started, not whatever else answers on its port:
-    GET `target` answers 200 with JSON equal to `expect` ("json"), or listing the model `expect` ("models")."""
+    GET `target` answers 200 with JSON equal to `expect` ("json"), listing the model `expect` ("models"), or
+    an object with every key in `expect` ("keys")."""
 
-    kind: str  # "json" or "models"
+    kind: str  # "json", "models" or "keys"
     target: str
     label: str
     expect: Any
@@ -219,19 +221,29 @@ def build_plan(*, name: str = "default", model: str | None, mode: str = "inproce
                mp_http_port: int = DEFAULT_MP_HTTP_PORT, state_file: Path | None = None,
                extra_vllm_args: list[str] = (), coordinator: str | None = None, start_coordinator: bool = True,
                coordinator_port: int = DEFAULT_COORDINATOR_PORT, keep_lmcache_env: bool = False,
-               write: bool = True) -> LaunchPlan:
+               controller: str | None = None, start_controller: bool = False,
+               controller_port: int = DEFAULT_CONTROLLER_PORT, write: bool = True) -> LaunchPlan:
     """The plan; with `write`, the generated configuration is written to kvctl's serve directory.
 
     MP mode starts an LMCache coordinator on loopback (where `kvctl pin` keeps pins) unless `coordinator`
-    names one, the configuration already has one, or `start_coordinator` is off."""
+    names one, the configuration already has one, or `start_coordinator` is off. In-process mode joins
+    LMCache's controller at `controller` (HOST:PORT or URL), or with `start_controller` starts one on
+    loopback (first, so that it is stopped last) and joins that."""
     model = model or str(models_dir() / "tiny")
     base = serve_dir(name)
     generated = None
+    if (controller or start_controller) and mode == "mp":
+        raise UsageError("--controller is for in-process mode: LMCache's controller registers in-process engines "
+                         "(MP servers register with the coordinator)", hint="drop --controller, or serve without "
+                         "--mode mp")
+    if start_controller and not controller:
+        controller = f"{LOOPBACK}:{controller_port}"
     if config is None:
         config = base / "config"
         request = ConfigRequest(mode=mode, tiers=tiers or [TierSpec("cpu"), TierSpec("disk", path=str(base / "disk"))],
                                 internal_api_port_start=internal_api_port_start, mp_port=mp_port,
-                                mp_http_port=mp_http_port, model=model, instance_id=f"kvctl-{name}")
+                                mp_http_port=mp_http_port, model=model, instance_id=f"kvctl-{name}",
+                                controller=controller)
         generated = build_config(request, config)
         lmcache_values, kv_transfer, env_file = generated.lmcache, generated.kv_transfer, generated.env
     else:
@@ -243,6 +255,9 @@ def build_plan(*, name: str = "default", model: str | None, mode: str = "inproce
             raise UsageError(f"{shown(str(config / CONFIG_FILE), PATH_CHARS)} has chunk_size {shown(chunk)}, not a "
                              f"multiple of vLLM's block size {block} on this platform",
                              hint=f"run 'kvctl config validate {shown(str(config), PATH_CHARS)}' and fix it")
+        if controller and not lmcache_values.get("enable_controller"):
+            raise UsageError(f"{shown(str(config), PATH_CHARS)} does not register with a controller",
+                             hint=f"write it with 'kvctl config init --controller {controller}', or drop --controller")
     if coordinator is not None and mode != "mp":
         raise UsageError("--coordinator is for MP mode: the LMCache coordinator works with 'lmcache server'",
                          hint="drop --coordinator, or serve with --mode mp")
@@ -251,6 +266,12 @@ def build_plan(*, name: str = "default", model: str | None, mode: str = "inproce
     components, ports = [], [PortUse(port, host, "vLLM")]
     vllm_url = f"http://{url_host(host)}:{port}"
     endpoints: dict[str, Any] = {"openai": f"{vllm_url}/v1", "vllm": vllm_url}
+    if start_controller:
+        components.append(_controller(controller_port, env, logs))
+        ports += [PortUse(controller_port + offset, LOOPBACK, f"LMCache's controller ({role})")
+                  for offset, role in enumerate(("HTTP", "pull", "reply", "heartbeat"))]
+    if controller:
+        endpoints["controller"] = f"http://{controller}" if "://" not in controller else controller
     if mode == "mp":
         lmcache_values = dict(lmcache_values)
         coordinator = coordinator or lmcache_values.get("coordinator_url")
@@ -280,6 +301,10 @@ def build_plan(*, name: str = "default", model: str | None, mode: str = "inproce
         api_host = lmcache_values.get("internal_api_server_host", LOOPBACK)
         roles = ["scheduler"] + [f"worker {rank}" for rank in range(world_size(extra_vllm_args))]
         ports += [PortUse(start + offset, api_host, f"LMCache's {role} API") for offset, role in enumerate(roles)]
+        if lmcache_values.get("enable_controller"):  # each worker's socket for the controller (LMCache binds *)
+            worker_ports = list(lmcache_values.get("lmcache_worker_ports") or [])
+            ports += [PortUse(int(worker_port), "0.0.0.0", f"LMCache's worker {rank} controller socket")
+                      for rank, worker_port in enumerate(worker_ports[:len(roles) - 1])]
         endpoints["internal_api"] = [f"http://{LOOPBACK}:{start + offset}" for offset in range(len(roles))]
         lmcache_ready = [Readiness("json", f"{url}/lmc_version", f"LMCache's {role} API", lmcache_version())
                          for url, role in zip(endpoints["internal_api"], roles)]
@@ -319,6 +344,18 @@ def _coordinator(server_values: dict[str, Any], port: int, env: dict[str, str], 
             "--metadata-path", str(logs.parent / COORDINATOR_METADATA)]
     return Component("lmcache-coordinator", argv, dict(env), str(logs / "lmcache-coordinator.log"),
                      [Readiness("json", f"http://{LOOPBACK}:{port}/healthz", "the LMCache coordinator", HEALTHY)])
+
+
+def _controller(port: int, env: dict[str, str], logs: Path) -> Component:
+    """LMCache's controller on loopback: HTTP on `port`, its ZMQ sockets (pull, reply, heartbeat) on the
+    next three ports, as `kvctl config init --controller` expects them. Ready when its registry answers."""
+    from kvctl.core.config_init import controller_ports
+
+    argv = [sys.executable, "-m", "lmcache.v1.api_server", "--host", LOOPBACK, "--port", str(port),
+            "--monitor-ports", json.dumps(controller_ports(port))]
+    return Component("lmcache-controller", argv, dict(env), str(logs / "lmcache-controller.log"),
+                     [Readiness("keys", f"http://{LOOPBACK}:{port}/controller/key-stats", "LMCache's controller",
+                                ["total_instance_count", "instances"])])
 
 
 def preflight(plan: LaunchPlan) -> None:

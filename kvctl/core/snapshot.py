@@ -425,6 +425,51 @@ def load(path: Path, instance, tier: str | None = None, model: str | None = None
                       written["already"], written.get("dropped", {}), prompts)
 
 
+# -- copying between live instances ---------------------------------------------------------------
+
+
+@dataclass
+class CopyReport:
+    """A copy from one live instance to another: what was saved, what the target took, and how many of
+    the chunks the target then gave back byte for byte (BLAKE3 against the source's)."""
+
+    source: str
+    saved: SaveReport
+    loaded: LoadReport
+    mismatched: list[str]  # keys the target does not give back as the source had them
+
+    @property
+    def exit_code(self) -> int:
+        whole = not (self.saved.manifest.missing or self.mismatched or any(self.loaded.dropped.values()))
+        return ExitCode.OK if whole else ExitCode.PARTIAL
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "target": self.loaded.instance, "tier": self.loaded.tier,
+                "chunks": self.loaded.chunks, "bytes": self.loaded.bytes,
+                "missing": len(self.saved.manifest.missing), "written": self.loaded.written,
+                "already": self.loaded.already, "dropped": self.loaded.dropped,
+                "verified": self.loaded.chunks - len(self.mismatched), "mismatched": self.mismatched,
+                "prompts": [prompt.as_dict() for prompt in self.loaded.prompts]}
+
+
+def copy(source, target, prompts: list[SavedPrompt], model: str | None = None, tier: str | None = None) -> CopyReport:
+    """A warm prompt moved between live instances by kvctl's verified path, never LMCache's unverified
+    /move: read from the source (its own routes or stores) and checksummed, written through the target
+    (which first refuses other keys and checks every checksum, as any load), then read back from the
+    target and compared chunk by chunk. The bytes pass through a private temporary snapshot (a 0700
+    directory, removed afterwards)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="kvctl-copy-") as directory:
+        path = Path(directory) / "copy.kvsnap"
+        saved = save(source, path, prompts, (), model)
+        loaded = load(path, target, tier, model)
+    expected = {entry.key: entry.blake3 for entry in saved.manifest.chunks}
+    given_back = {chunk.key: checksum(chunk.data) for chunk in target.read_chunks(list(expected))}
+    return CopyReport(source.name, saved, loaded, [key for key, digest in expected.items()
+                                                   if given_back.get(key) != digest])
+
+
 def listing(path: Path) -> dict[str, Any]:
     with Snapshot(path) as snapshot:
         return {"snapshot": str(path), **snapshot.manifest.summary()}

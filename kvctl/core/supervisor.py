@@ -123,6 +123,8 @@ async def _answers(client, check: Readiness, headers: dict[str, str]) -> bool:
         models = body.get("data") if isinstance(body, dict) else None
         return isinstance(models, list) and any(isinstance(model, dict) and model.get("id") == check.expect
                                                 for model in models)
+    if check.kind == "keys":
+        return isinstance(body, dict) and all(key in body for key in check.expect)
     return body == check.expect
 
 

@@ -88,7 +88,7 @@ def test_lookup_reports_cpu_for_exactly_the_stored_chunks(server, tmp_path):
     assert result.code == 0, result.stderr
     assert report["mode"] == "mp" and report["tiers_checked"] == ["cpu", "disk"]
     assert [chunk["tiers"] for chunk in report["chunks"]] == [["cpu", "disk"], ["cpu", "disk"], []]
-    assert report["hit_tokens"] == {"cpu": 2 * CHUNK, "disk": 2 * CHUNK, "redis": 0, "total": 2 * CHUNK}
+    assert report["hit_tokens"] == {"cpu": 2 * CHUNK, "disk": 2 * CHUNK, "redis": None, "total": 2 * CHUNK}
     expected = mp_object_keys(prompt, MPKeyRecipe(MODEL, CHUNK))
     assert [chunk["key"] for chunk in report["chunks"]] == [ranks[0].native_key() for ranks in expected]
     assert "L1 (cpu)" not in result.stderr

@@ -1,0 +1,159 @@
+"""A fleet from LMCache's controller (in-process mode): `--instance controller://HOST:PORT`, or
+`controller: http://HOST:PORT` in kvctl.yaml, instead of a list kept by hand.
+
+The controller knows each registered worker by instance id, worker id, its host's primary address
+and the port it listens on for the controller, not where its internal API is. kvctl's own
+configurations (`kvctl config init --controller`) fix the relation: worker r's controller port is its
+internal API port + WORKER_PORT_OFFSET; an address of this host reads as loopback (kvctl binds the
+internal API to 127.0.0.1). Every URL found that way is checked before it is used: the engine's own
+GET /conf must name the registration's instance id. An instance whose last heartbeat is older than
+the stale limit is reported stale and never asked as if alive (the controller keeps a dead instance
+registered, and its /health hangs on one); one whose internal API is elsewhere is reported with what
+only the controller can answer for it.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from kvctl.core.errors import KvctlError, UsageError
+
+SCHEME = "controller://"
+WORKER_PORT_OFFSET = 100  # kvctl's configurations: controller port = internal API port + 100
+STALE_AFTER_S = 60.0  # kvctl's configurations beat every 5 s: twelve missed heartbeats
+DISCOVERY_TIMEOUT_S = 5.0
+DISCOVERY_WIDTH = 32  # engines checked at once
+
+
+def is_controller(instance: str | None) -> bool:
+    return bool(instance) and instance.startswith(SCHEME)
+
+
+def stale_limit(instance: str) -> float:
+    """`controller://HOST:PORT?stale_after_s=N`: how old a heartbeat may be (default STALE_AFTER_S)."""
+    from urllib.parse import parse_qs
+
+    _, _, query = instance.partition("?")
+    given = parse_qs(query).get("stale_after_s")
+    try:
+        limit = float(given[-1]) if given else STALE_AFTER_S
+    except ValueError:
+        limit = -1.0
+    if not 0 < limit < 86_400:
+        raise UsageError(f"stale_after_s={given[-1][:40]!r} is not a number of seconds (0 to 86400)",
+                         hint="e.g. controller://127.0.0.1:9000?stale_after_s=30")
+    return limit
+
+
+def http_url(instance: str) -> str:
+    """controller://HOST:PORT -> http://HOST:PORT (an http(s):// URL stays as given; a query is kvctl's)."""
+    instance = instance.partition("?")[0]
+    rest = instance[len(SCHEME):] if is_controller(instance) else instance
+    if "://" in rest:
+        return rest.rstrip("/")
+    if not rest or ":" not in rest.rsplit("]", 1)[-1]:
+        raise UsageError(f"{instance!r} names no controller port", hint="write controller://HOST:PORT (the "
+                         "controller's HTTP port, 9000 by default)")
+    return f"http://{rest.rstrip('/')}"
+
+
+@dataclass(frozen=True)
+class Registration:
+    """One instance as the controller lists it: its workers' (worker id, ip, controller port), and the
+    age of its freshest heartbeat (or registration)."""
+
+    instance_id: str
+    workers: tuple[tuple[int, str, int], ...]
+    heartbeat_age_s: float
+
+    @classmethod
+    def group(cls, infos: list[dict[str, Any]], now: float) -> list[Registration]:
+        by_instance: dict[str, list[dict[str, Any]]] = {}
+        for info in infos:
+            by_instance.setdefault(str(info["instance_id"]), []).append(info)
+        registrations = []
+        for instance_id, workers in sorted(by_instance.items()):
+            last = max(float(w.get("last_heartbeat_time") or w.get("registration_time") or 0) for w in workers)
+            registrations.append(cls(instance_id, tuple(sorted((int(w["worker_id"]), str(w["ip"]), int(w["port"]))
+                                                               for w in workers)), max(0.0, now - last)))
+        return registrations
+
+    def internal_api(self, local: set[str]) -> str:
+        """Worker 0's internal API by kvctl's relation (the first registered worker's, minus its rank)."""
+        worker_id, ip, port = self.workers[0]
+        host = "127.0.0.1" if ip in local else (f"[{ip}]" if ":" in ip else ip)
+        return f"http://{host}:{port - WORKER_PORT_OFFSET - worker_id}"
+
+
+def local_addresses() -> set[str]:
+    """This host's IPv4 addresses (what LMCache's get_ip() advertises is one of them), and loopback."""
+    import fcntl
+    import socket
+    import struct
+
+    found = {"127.0.0.1", "::1", "localhost"}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
+            except OSError:
+                continue  # an interface without an IPv4 address
+            found.add(socket.inet_ntoa(packed[20:24]))
+    return found
+
+
+def discover(instance: str):
+    """The controller's registered instances as addresses: reachable ones with their internal API,
+    the others carrying why not (stale, or an internal API kvctl cannot find)."""
+    from kvctl.clients.controller import ControllerClient
+    from kvctl.core.instances import Address
+
+    url, stale_after_s = http_url(instance), stale_limit(instance)
+    with ControllerClient(url, DISCOVERY_TIMEOUT_S) as controller:
+        ids = controller.instance_ids()
+    local = local_addresses()
+
+    def address(instance_id: str) -> Address:
+        with ControllerClient(url, DISCOVERY_TIMEOUT_S) as controller:
+            infos = controller.workers(instance_id)  # its heartbeats as of now
+        if not infos:
+            return Address(instance_id, controller=url, problem="the controller lists it without workers (it left "
+                           "while kvctl asked)", hint="run the command again")
+        (registration,) = Registration.group(infos, time.time())
+        age = round(registration.heartbeat_age_s, 1)
+        found = Address(registration.instance_id, controller=url, heartbeat_age_s=age)
+        if registration.heartbeat_age_s > stale_after_s:
+            found.problem = (f"stale: its last heartbeat reached the controller {registration.heartbeat_age_s:.0f} s "
+                             f"ago (the limit is {stale_after_s:g} s); the controller still lists it and indexes its "
+                             "chunks")
+            found.hint = ("start it again, or check lmcache_worker_heartbeat_time (kvctl config init --controller "
+                          "sets 5)")
+            return found
+        api = registration.internal_api(local)
+        if _answers_as(api, registration.instance_id):
+            found.internal_api = [api]
+        else:
+            _worker_id, ip, port = registration.workers[0]
+            found.problem = (f"registered at {ip}:{port}, but its internal API is not at {api} (kvctl's configurations "
+                             f"put it at the controller port - {WORKER_PORT_OFFSET}); only the controller's own "
+                             "answers are known for it")
+            found.hint = ("configure it with kvctl config init --controller, or name its internal API in "
+                          "kvctl.yaml's instances")
+        return found
+
+    with ThreadPoolExecutor(max_workers=DISCOVERY_WIDTH) as pool:
+        return list(pool.map(address, sorted(ids)))
+
+
+def _answers_as(url: str, instance_id: str) -> bool:
+    """Whether the engine at `url` is the registered instance (its own GET /conf names the id)."""
+    from kvctl.clients.internal_api import InternalAPIClient
+
+    try:
+        with InternalAPIClient(url, DISCOVERY_TIMEOUT_S) as engine:
+            return engine.conf(["lmcache_instance_id"]).get("lmcache_instance_id") == instance_id
+    except (KvctlError, AttributeError):
+        return False
