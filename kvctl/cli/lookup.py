@@ -64,6 +64,7 @@ def lookup(
 
     Side-effect free: never pins a chunk, never changes eviction order, never reads a value.
     """
+    from kvctl.core.controller_fleet import is_controller, routing
     from kvctl.core.tokens import PromptSource
 
     if offline and config is None:
@@ -73,14 +74,27 @@ def lookup(
                       kv_dtype=kv_dtype, world_size=world_size, hash_seed=hash_seed)
     out = ctx.obj
 
+    tokenized: list[list[int]] = []  # the prompt's token ids, as the first instance to answer made them
+
     def lookup_one(found):
-        result = found.lookup(found.tokenize(prompt, model))
+        tokens = found.tokenize(prompt, model)
+        tokenized.append(tokens)
+        result = found.lookup(tokens)
         for note in found.notes:
             out.info(f"note: {note}")
         return result
 
     if chosen.fleet:
-        emit_fleet(out, run_fleet(chosen, lookup_one, timeout), _fleet_items)
+        report = run_fleet(chosen, lookup_one, timeout)
+        extra = {}
+        if is_controller(chosen.instance):  # the routing question, and the controller's second opinion
+            extra["routing"] = routing(chosen.instance, report.outcomes, tokenized[0] if tokenized else None)
+            best = extra["routing"]["best"]
+            out.info(f"longest cached prefix: {best['instance']} ({best['hit_tokens']} tokens)" if best else
+                     "longest cached prefix: no instance holds any of it")
+            for disagreement in extra["routing"]["disagreements"]:
+                out.warn(disagreement)
+        emit_fleet(out, report, _fleet_items, **extra)
     result = lookup_one(open_one(chosen))
     out.emit(result.as_dict(), render_lookup(result))
     for tier, message in result.errors.items():

@@ -157,3 +157,47 @@ def _answers_as(url: str, instance_id: str) -> bool:
             return engine.conf(["lmcache_instance_id"]).get("lmcache_instance_id") == instance_id
     except (KvctlError, AttributeError):
         return False
+
+
+# -- the routing question: which instance holds the longest cached prefix ---------------------------
+
+CONTROLLER_HASHING = ("the controller's /lookup hashes tokens with builtin and chunk size 256 only: chunks keyed "
+                      "otherwise are invisible to its index")
+
+
+def routing(instance: str, outcomes: list, tokens: list[int] | None) -> dict[str, Any]:
+    """Which instance holds the longest cached prefix of a prompt, from the instances' own lookups
+    (`outcomes` of a fleet lookup), next to the controller's index answer, and where they disagree
+    (an indexed instance that is stale or gone, one that holds what the index does not name)."""
+    from kvctl.clients.controller import ControllerClient
+
+    answered = {outcome.instance: int(outcome.result.hit_tokens.get("total") or 0)
+                for outcome in outcomes if outcome.error is None}
+    failed = {outcome.instance: outcome.error for outcome in outcomes if outcome.error is not None}
+    best = max(answered, key=answered.get, default=None)
+    summary: dict[str, Any] = {"best": {"instance": best, "hit_tokens": answered[best]}
+                               if best is not None and answered[best] > 0 else None,
+                               "controller_index": None, "disagreements": []}
+    if tokens is None:
+        summary["disagreements"].append("no instance tokenized the prompt: the controller's index was not asked")
+        return summary
+    try:
+        with ControllerClient(http_url(instance), DISCOVERY_TIMEOUT_S) as controller:
+            index = controller.lookup(tokens)
+    except KvctlError as error:
+        summary["disagreements"].append(f"the controller's index did not answer: {error.message}")
+        return summary
+    summary["controller_index"] = {name: {"location": location, "tokens": end} for name, (location, end)
+                                   in index.items()}
+    notes = summary["disagreements"]
+    for name, (location, end) in index.items():
+        if name in failed:
+            notes.append(f"the controller's index names {name} ({end} tokens on {location}), which did not answer "
+                         f"here: {failed[name]}")
+        elif name in answered and answered[name] < end:
+            notes.append(f"the controller's index says {name} holds {end} tokens; it holds {answered[name]}")
+    unindexed = [name for name, hits in answered.items() if hits > 0 and name not in index]
+    for name in unindexed:
+        notes.append(f"{name} holds {answered[name]} tokens the controller's index does not name "
+                     f"({CONTROLLER_HASHING}; it also names one holder per chunk)")
+    return summary

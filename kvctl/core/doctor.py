@@ -775,6 +775,12 @@ def diagnose_fleet(state=None, inventory=None, timeout: float = TIMEOUT_S, fleet
         facts[outcome.instance] = outcome.result.facts
         stores += [(store, settings, outcome.instance) for store, settings in outcome.result.stores]
     findings += compare_members(facts)
+    from kvctl.core.controller_fleet import is_controller
+
+    if is_controller(fleet):  # what blinds the controller, and its index against the instances' contents
+        from kvctl.core.controller_checks import controller_findings
+
+        findings += controller_findings(fleet, members)
     seen: set = set()
     for store, settings, name in stores:
         findings += store_findings([store], settings, name, seen)

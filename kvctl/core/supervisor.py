@@ -37,6 +37,9 @@ CHECK_TIMEOUT_S = 5.0
 FATAL_GRACE_S = 1.0  # after a fatal line, time for the rest of it (a traceback's last lines) to reach the log
 LOG_TAIL_LINES = 15
 FATAL = re.compile(r"Traceback \(most recent call last\)|\bERROR\b|(?i:address already in use)")
+# ERROR lines LMCache 0.5.6 logs on a healthy start: a controller's full-sync command that reaches an engine
+# before its storage exists fails and is sent again on the next heartbeat
+RETRIED = re.compile(r"Error executing command FullSyncCommand: 'NoneType' object has no attribute")
 COLOURS = re.compile(r"\x1b\[[0-9;]*m")  # LMCache colours its log levels
 
 
@@ -95,7 +98,7 @@ class LogWatch:
             return
         for line in lines:
             text = line.decode(errors="replace")
-            if FATAL.search(text):
+            if FATAL.search(text) and not RETRIED.search(text):
                 self.fatal, self.fatal_at = _shown(text.strip()), time.monotonic()
                 return
 

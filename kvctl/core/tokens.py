@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,9 @@ def read_token_ids(path: str) -> list[int]:
     return tokens
 
 
+_LOADING = threading.Lock()
+
+
 class LocalTokenizer:
     """The model directory's own tokenizer, loaded offline with transformers (as vLLM loads it)."""
 
@@ -92,13 +96,14 @@ class LocalTokenizer:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-        from transformers import AutoTokenizer
+        with _LOADING:  # a fleet's members tokenize on threads; transformers' lazy import is not thread-safe
+            from transformers import AutoTokenizer
 
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-        except Exception as error:  # noqa: BLE001 - transformers raises many kinds
-            raise KvctlError(f"cannot load the tokenizer of {model_dir}: {str(error).splitlines()[0]}",
-                             hint="check the model directory, or use --tokens-file") from None
+            try:
+                self.tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+            except Exception as error:  # noqa: BLE001 - transformers raises many kinds
+                raise KvctlError(f"cannot load the tokenizer of {model_dir}: {str(error).splitlines()[0]}",
+                                 hint="check the model directory, or use --tokens-file") from None
 
     def encode_prompt(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])

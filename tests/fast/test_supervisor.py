@@ -49,6 +49,19 @@ def test_fatal_lines(log, line):
     assert watch.fatal == line
 
 
+def test_lmcache_s_retried_full_sync_error_is_not_fatal(log):
+    """Seen starting `kvctl serve --controller`: the controller's full sync reaches the engine before its
+    storage exists; LMCache logs an ERROR and the next heartbeat carries the command again."""
+    watch = LogWatch(str(log))
+    append(log, "\x1b[31;20m[2026-12-04 19:01:51,820] LMCache ERROR:\x1b[0m Error executing command FullSyncCommand: "
+                "'NoneType' object has no attribute 'local_cpu_backend' (worker.py:511:lmcache.v1.cache_controller)\n")
+    watch.scan()
+    assert watch.fatal is None
+    append(log, "[2026-12-04 19:01:52,000] LMCache ERROR: Error executing command FullSyncCommand: timeout\n")
+    watch.scan()
+    assert "timeout" in watch.fatal  # any other failure of it still is
+
+
 def test_errors_in_words_are_not_fatal(log):
     watch = LogWatch(str(log))
     append(log, "INFO error_rate=0 ERRORS=0 no_errors\n")

@@ -5,6 +5,8 @@ real standalone engines registered with it through `kvctl config init --controll
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 
 import pytest
@@ -40,9 +42,10 @@ def fleet(tmp_path_factory):
         for name in ("node-a", "node-b"):
             port_start = free_port(span=110)  # the internal API and, 100 above it, the controller worker port
             init = run_kvctl("config", "init", "--out", root / name, "--tier", "cpu:0.05", "--controller",
-                             f"127.0.0.1:{port}", "--internal-api-port-start", port_start)
+                             f"127.0.0.1:{port}", "--internal-api-port-start", port_start,
+                             "--hash-algorithm", "builtin")  # what the controller's own /lookup hashes with
             assert init.code == 0, init.stderr
-            assert "builtin and chunk size 256 only" in init.stderr  # the blind /lookup is said
+            assert "builtin and chunk size 256 only" not in init.stderr
             started.append(start_standalone_engine(root / name, root / f"{name}.log"))
             urls[f"kvctl-{name}"] = f"http://127.0.0.1:{port_start + 1}"  # config init's instance id
         for (name, url), proc in zip(urls.items(), started[1:]):
@@ -57,6 +60,19 @@ def fleet(tmp_path_factory):
     finally:
         for proc in started:
             stop_process(proc, grace=5)
+
+
+def store(url: str, start: int, end: int) -> None:
+    """Cache tokens start..end on an engine (LMCache's debug store), again until its own lookup holds them:
+    an engine drops stores while it freezes for the full sync after registering with the controller."""
+    tokens = list(range(start, end))
+
+    def landed() -> bool:
+        http_json("POST", f"{url}/cache/store?tokens_mock={start},{end}")
+        answer = http_json("POST", f"{url}/kvctl/v1/lookup", json={"tokens": tokens})
+        return answer["hit_tokens"]["total"] == len(tokens)
+
+    wait_until(landed, 60, f"tokens {start}..{end} cached at {url}")
 
 
 def fleet_json(*args, **options):
@@ -78,13 +94,16 @@ def test_the_controller_names_the_fleet_without_an_inventory(fleet, tmp_path):
 
 
 def test_lookup_names_the_instance_that_holds_a_prompt_and_pins_and_evicts_through_the_fleet(fleet, tmp_path):
-    stored = http_json("POST", f"{fleet['urls']['kvctl-node-a']}/cache/store?tokens_mock=0,{2 * CHUNK}")
-    assert stored["num_tokens"] == 2 * CHUNK
+    store(fleet["urls"]["kvctl-node-a"], 0, 2 * CHUNK)
     result, report = fleet_json("lookup", "--tokens-file", fleet["tokens"], "--instance", fleet["controller"],
                                 cwd=tmp_path)
     assert result.code == 0, result.stderr
     hits = {name: entry["hit_tokens"]["total"] for name, entry in by_instance(report).items()}
     assert hits == {"kvctl-node-a": 2 * CHUNK, "kvctl-node-b": 0}
+    routing = report["routing"]  # the routing question, from the instances' answers and the controller's index
+    assert routing["best"] == {"instance": "kvctl-node-a", "hit_tokens": 2 * CHUNK}
+    assert routing["controller_index"] == {"kvctl-node-a": {"location": "LocalCPUBackend", "tokens": 2 * CHUNK}}
+    assert routing["disagreements"] == [] and "longest cached prefix: kvctl-node-a (512 tokens)" in result.stderr
     result, report = fleet_json("pin", "--tokens-file", fleet["tokens"], "--instance", fleet["controller"],
                                 cwd=tmp_path)
     assert result.code == 0, result.stderr
@@ -100,10 +119,30 @@ def test_lookup_names_the_instance_that_holds_a_prompt_and_pins_and_evicts_throu
     assert result.code == 0 and by_instance(report)["kvctl-node-a"]["removed"]["cpu"] == 2, result.stderr
 
 
+def test_a_pin_set_brings_every_registered_instance_in_line(fleet, tmp_path):
+    pin_set = tmp_path / "pins.yaml"
+    pin_set.write_text(f"name: fleet-set\npins:\n  - tokens_file: {fleet['tokens']}\n")
+    result, report = fleet_json("pin", "apply", pin_set, "--instance", fleet["controller"], cwd=tmp_path)
+    assert result.code == 0, result.stderr
+    assert set(by_instance(report)) == {"kvctl-node-a", "kvctl-node-b"}
+    for url in fleet["urls"].values():
+        pins = http_json("GET", f"{url}/kvctl/v1/pins")["pins"]
+        assert [pin["pin_id"].startswith("set-fleet-set-") for pin in pins] == [True]
+    result, _ = fleet_json("unpin", "--all", "--instance", fleet["controller"], cwd=tmp_path)
+    assert result.code == 0, result.stderr
+
+
 def test_a_stopped_instance_is_stale_and_never_asked(fleet, tmp_path):
-    """Last: it stops node-b. The controller keeps it registered (LMCache 0.5.6 never deregisters on
-    SIGTERM); kvctl reports it stale from its heartbeat age instead of hanging on it."""
-    stop_process(fleet["engines"][1], grace=5)
+    """Last: node-b dies (SIGKILL, as a crash or an OOM kill). The controller keeps it registered and
+    indexed; kvctl reports it stale from its heartbeat age instead of hanging on it. (On SIGTERM LMCache
+    0.5.6 sometimes deregisters and sometimes not: the dead instance then simply is not listed.)"""
+    other = fleet["root"] / "other.json"  # a prompt only node-b holds, in the controller's index too
+    other.write_text(json.dumps(list(range(10_000, 10_000 + 2 * CHUNK))))
+    store(fleet["urls"]["kvctl-node-b"], 10_000, 10_000 + 2 * CHUNK)
+    wait_until(lambda: fleet_json("lookup", "--tokens-file", other, "--instance", fleet["controller"],
+                                  cwd=tmp_path)[1]["routing"]["controller_index"], 60, "the controller's index")
+    os.killpg(fleet["engines"][1].pid, signal.SIGKILL)  # a crash: no deregistration reaches the controller
+    fleet["engines"][1].wait(30)
     stale = f"{fleet['controller']}?stale_after_s={STALE_S}"
     wait_until(lambda: "stale" in json.dumps(fleet_json("health", "--instance", stale, cwd=tmp_path)[1]), 60,
                "node-b stale")
@@ -114,3 +153,13 @@ def test_a_stopped_instance_is_stale_and_never_asked(fleet, tmp_path):
     assert check["ok"] is False and "stale" in check["detail"] and "heartbeat" in check["detail"]
     result, report = fleet_json("ls", "--instance", stale, cwd=tmp_path)
     assert result.code == 6 and "stale" in by_instance(report)["kvctl-node-b"]["errors"]["instance"]
+    result, report = fleet_json("lookup", "--tokens-file", other, "--instance", stale, cwd=tmp_path)
+    routing = report["routing"]  # the index still names the dead holder: said, not trusted
+    assert routing["best"] is None and "kvctl-node-b" in routing["controller_index"]
+    assert any("kvctl-node-b" in note and "stale" in note for note in routing["disagreements"])
+    result, report = fleet_json("doctor", "--instance", stale, cwd=tmp_path)
+    checks = {(finding["check"], finding.get("instance")): finding for finding in report["findings"]}
+    drift = checks[("controller_drift", "kvctl-node-b")]  # the dead instance is still indexed
+    assert drift["level"] == "warning" and f"indexes {2} chunks" in drift["what"], drift
+    assert not [key for key in checks if key == ("controller_drift", "kvctl-node-a")], report["findings"]
+    assert ("controller_address", None) in checks  # both registered from this host's one address

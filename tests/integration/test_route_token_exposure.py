@@ -187,3 +187,18 @@ def test_beyond_loopback_lmcache_routes_want_the_token_and_kvctl_sends_each_its_
             stop_process(guarded, grace=5)
             stop_process(stock, grace=5)
 
+
+
+def test_a_child_of_the_plugins_process_never_inherits_the_token():
+    """What the plugins do at install, in a real process: the token leaves os.environ (and so the C
+    environment a child is started with), while the routes keep it."""
+    script = ("import os, subprocess, sys\n"
+              "from kvctl_plugins import protocol\n"
+              "token = protocol.adopt_routes_token()\n"
+              "probe = 'import os; print(os.environ.get(\"KVCTL_ROUTES_TOKEN\"))'\n"
+              "child = subprocess.run([sys.executable, '-c', probe], capture_output=True, text=True).stdout.strip()\n"
+              "print(token, 'KVCTL_ROUTES_TOKEN' in os.environ, child)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "KVCTL_ROUTES_TOKEN": TOKEN})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [TOKEN, "False", "None"]
