@@ -25,6 +25,10 @@ from kvctl.output import Table
 app = typer.Typer(help="Snapshots: save cached chunks to one file, load them into another instance or "
                   "configuration.", no_args_is_help=True)
 
+PromptFiles = Annotated[list[str] | None, typer.Option("--prompt-file", help="A prompt's text file (repeatable).")]
+ChatFiles = Annotated[list[str] | None, typer.Option("--chat", help="A JSON chat file (repeatable).")]
+TokensFiles = Annotated[list[str] | None, typer.Option("--tokens-file", help="A JSON token-ids file (repeatable).")]
+PinSetFile = Annotated[Path | None, typer.Option("--pin-set", help="Every prompt of a pin set file.")]
 SnapshotFile = Annotated[Path, typer.Argument(help="A .kvsnap file written by kvctl snapshot save.", dir_okay=False)]
 
 
@@ -37,12 +41,8 @@ def save(
     ctx: typer.Context,
     out: Annotated[Path, typer.Option("--out", "-o", help="The snapshot file to write (e.g. warm.kvsnap).",
                                       dir_okay=False)],
-    prompt_file: Annotated[list[str] | None, typer.Option("--prompt-file", help="A prompt's text file "
-                                                          "(repeatable).")] = None,
-    chat: Annotated[list[str] | None, typer.Option("--chat", help="A JSON chat file (repeatable).")] = None,
-    tokens_file: Annotated[list[str] | None, typer.Option("--tokens-file", help="A JSON token-ids file "
-                                                          "(repeatable).")] = None,
-    pin_set: Annotated[Path | None, typer.Option("--pin-set", help="Every prompt of a pin set file.")] = None,
+    prompt_file: PromptFiles = None, chat: ChatFiles = None, tokens_file: TokensFiles = None,
+    pin_set: PinSetFile = None,
     tier: Annotated[Tier | None, typer.Option("--tier", help="With --all: the tier whose chunks to save.")] = None,
     everything: Annotated[bool, typer.Option("--all", help="Every chunk of --tier (of --model, if given).")] = False,
     force: Annotated[bool, typer.Option("--force", help="Replace the output file if it exists.")] = False,
@@ -120,12 +120,8 @@ def copy_live(
     source: Annotated[str, typer.Option("--from", help="The instance that holds the prompts' chunks (a name, a "
                                         "kvctl serve name, or a URL).")],
     target: Annotated[str, typer.Option("--to", help="The instance to copy them into.")],
-    prompt_file: Annotated[list[str] | None, typer.Option("--prompt-file", help="A prompt's text file "
-                                                          "(repeatable).")] = None,
-    chat: Annotated[list[str] | None, typer.Option("--chat", help="A JSON chat file (repeatable).")] = None,
-    tokens_file: Annotated[list[str] | None, typer.Option("--tokens-file", help="A JSON token-ids file "
-                                                          "(repeatable).")] = None,
-    pin_set: Annotated[Path | None, typer.Option("--pin-set", help="Every prompt of a pin set file.")] = None,
+    prompt_file: PromptFiles = None, chat: ChatFiles = None, tokens_file: TokensFiles = None,
+    pin_set: PinSetFile = None,
     tier: Annotated[Tier | None, typer.Option("--tier", help="Where the chunks go on the target (default: its "
                                               "CPU tier).")] = None,
     model: ModelOption = None,
