@@ -10,6 +10,7 @@ engine's memory and pins in an engine or a coordinator: those need --instance.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import stat
@@ -107,7 +108,8 @@ class DirectoryStore:
     # -- chunk bytes (snapshots; LMCache's disk layout: a file is the chunk's data alone) ------------
 
     def read(self, keys: Sequence[str]) -> Iterator[StoredChunk]:
-        """The held chunks' bytes; a name that is not a regular file (a FIFO, a directory) is skipped."""
+        """The held chunks' bytes; a name that is not a regular file (a symlink, a FIFO, a directory) is
+        skipped, so its key counts as missing."""
         for key in keys:
             for directory in self.store.directories:
                 data = _read_regular(os.path.join(directory, self.file_name(key)))
@@ -468,12 +470,15 @@ class OfflineInstance:
 
 
 def _read_regular(path: str) -> bytes | None:
-    """A regular file's bytes; None when there is none (a FIFO is never waited on)."""
+    """A regular file's bytes; None when there is none: a FIFO is never waited on, and a symlink is no
+    chunk (never followed: it could point at any file this user may read)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except (FileNotFoundError, IsADirectoryError):
         return None
     except OSError as error:
+        if error.errno == errno.ELOOP:  # the name is a symlink
+            return None
         raise KvctlError(f"cannot read {path}: {error.strerror}", hint="run kvctl as a user that can read the "
                          "disk tier directory") from None
     with os.fdopen(fd, "rb") as file:

@@ -179,3 +179,23 @@ def test_a_partial_file_a_killed_load_left_does_not_block_the_next(node_a, tmp_p
     a_files = disk_files(node_a["root"] / "disk")
     assert all(disk_files(tmp_path / "g" / "disk")[disk_file_name(key)] == a_files[disk_file_name(key)]
                for key in KEYS)
+
+
+def test_a_save_from_a_disk_directory_takes_regular_chunk_files_only(tmp_path):
+    """No engine: a link named like a chunk (to a private file elsewhere) and a FIFO named like one are not
+    chunks, never read or waited on."""
+    config, _ = configuration(tmp_path / "h", "cpu:0.1", f"disk:{tmp_path}/h/disk:1")
+    disk = tmp_path / "h" / "disk"
+    disk.mkdir()
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"not yours " * 100)
+    secret.chmod(0o600)
+    (disk / disk_file_name(KEYS[0])).write_bytes(b"chunk " * 100)
+    (disk / disk_file_name(KEYS[1])).symlink_to(secret)
+    os.mkfifo(disk / disk_file_name(KEYS[2]))
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps(TOKENS))
+    snap = tmp_path / "warm.kvsnap"
+    saved = answer("snapshot", "save", "--config", config, *OFFLINE, "--tokens-file", tokens, "-o", snap, code=6)
+    assert (saved["chunks"], saved["missing"]) == (1, 3)
+    assert b"not yours" not in snap.read_bytes()
