@@ -144,7 +144,8 @@ def tier_keys(instance, tier: str, model: str | None) -> list[str]:
 def save(instance, out: Path, prompts: list[SavedPrompt], keys: Sequence[str] = (), model: str | None = None,
          overwrite: bool = False) -> SaveReport:
     """Write the prompts' chunks (and `keys`) that some tier holds into `out`, atomically: a temporary
-    file next to it becomes the snapshot only once complete, so a failure leaves no half file."""
+    file next to it becomes the snapshot only once complete, so a failure leaves no half file. It is
+    created 0600 (it holds the prompts' token ids), and the rename keeps that over any file it replaces."""
     from kvctl import __version__
     from kvctl.core.safe_files import require_regular
 
@@ -163,7 +164,8 @@ def save(instance, out: Path, prompts: list[SavedPrompt], keys: Sequence[str] = 
                         time.time(), prompts)
     temporary = out.with_name(f".{out.name}.{os.getpid()}.partial")
     try:
-        with open(temporary, "xb") as sink, ThreadPoolExecutor(1) as hashing:  # the other core copies
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as sink, ThreadPoolExecutor(1) as hashing:  # the other core copies
             pending: deque = deque()
             for number, chunk in enumerate(instance.read_chunks(wanted)):
                 member = f"chunks/{number:06d}"
@@ -203,7 +205,7 @@ def _entry(chunk: StoredChunk, member: str, size: int, digest) -> ChunkEntry:
 
 def _member_header(name: str, size: int) -> bytes:
     info = tarfile.TarInfo(name)
-    info.size, info.mode, info.mtime = size, 0o644, int(time.time())
+    info.size, info.mode, info.mtime = size, 0o600, int(time.time())
     return info.tobuf(tarfile.USTAR_FORMAT)
 
 

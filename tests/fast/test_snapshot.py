@@ -109,6 +109,19 @@ def test_an_existing_file_is_replaced_only_with_force(instances, kvctl, tmp_path
     assert result.code == 0 and tarfile.is_tarfile(tmp_path / "warm.kvsnap")
 
 
+def test_a_snapshot_is_readable_by_its_owner_only(instances, kvctl, tmp_path):
+    """It holds the prompts' token ids: 0600 under any umask, also when --force replaces a 0644 file."""
+    umask = os.umask(0o022)
+    try:
+        out, result = saved(kvctl, tmp_path, "--tokens-file", PROMPT_FILE)
+        assert result.code == 0 and out.stat().st_mode & 0o777 == 0o600
+        out.chmod(0o644)
+        _, result = saved(kvctl, tmp_path, "--tokens-file", PROMPT_FILE, "--force")
+        assert result.code == 0 and out.stat().st_mode & 0o777 == 0o600
+    finally:
+        os.umask(umask)
+
+
 def test_save_needs_a_selection(instances, kvctl, tmp_path):
     refused(saved(kvctl, tmp_path)[1], 2, "say what to save")
     refused(saved(kvctl, tmp_path, "--all")[1], 2, "say what to save")
