@@ -116,7 +116,7 @@ def test_restarted_vllm_hits_lmcache(tiny_model, tmp_path, start_redis, with_red
     assert offline.code == 0, offline.stderr
     report = json.loads(offline.stdout)
     assert report["hit_tokens"]["disk"] == stored and report["prompt_tokens"] == len(tokens)
-    assert report["hit_tokens"]["redis"] == (stored if redis else 0)
+    assert report["hit_tokens"]["redis"] == (stored if redis else None)  # null: a tier not configured is not checked
 
     if redis:  # prove the Redis tier serves the restart: the disk tier is emptied first
         for path in (tmp_path / "disk").glob("*.pt"):
