@@ -8,6 +8,7 @@ engine's /conf, /meta, /env, /metrics). A check that cannot run says why in an i
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import stat
@@ -179,7 +180,7 @@ def env_overrides(environ: dict[str, str], file_values: dict[str, Any], effectiv
     """LMCACHE_* variables of the running process that LMCache reads over the file: a warning where the
     file sets the key to something else (naming variable, file value and effective value), an info
     where the file leaves the key to the default."""
-    from kvctl.core.lmcache_config import ConversionError, convert_value, env_key, env_value, redact
+    from kvctl.core.lmcache_config import ConversionError, convert_value, env_key, env_value, is_secret, redact
 
     findings = []
     for variable, text in sorted(environ.items()):
@@ -188,9 +189,11 @@ def env_overrides(environ: dict[str, str], file_values: dict[str, Any], effectiv
             continue
         try:
             from_env = convert_value(key, env_value(text))
+            shown = json.dumps(redact(key, from_env)) if isinstance(from_env, dict) else redact(key, text)
         except ConversionError:
             from_env = env_value(text)
-        live = (effective or {}).get(key, from_env)
+            shown = "***" if is_secret(text) else redact(key, text)  # unparsed: which part is the secret is unknown
+        live = redact(key, effective[key]) if key in (effective or {}) else shown
         if key in file_values:
             try:
                 written = convert_value(key, file_values[key])
@@ -200,14 +203,14 @@ def env_overrides(environ: dict[str, str], file_values: dict[str, Any], effectiv
                 continue
             findings.append(Finding(
                 "warning", "env_override",
-                f"{variable}={redact(key, text)} overrides {key}: {redact(key, written)} in {file_name}, "
-                f"effective {redact(key, live)}",
+                f"{variable}={shown} overrides {key}: {redact(key, written)} in {file_name}, "
+                f"effective {live}",
                 "the file does not describe what runs: tools and peers that read it get this setting wrong",
                 f"unset {variable} where vLLM starts (kvctl serve drops inherited LMCACHE_* unless "
                 f"--keep-lmcache-env), or write it into {file_name}", instance))
         else:
-            findings.append(Finding("info", "env_override", f"{variable}={redact(key, text)} sets {key} (effective "
-                                    f"{redact(key, live)}), which {file_name} leaves to the default",
+            findings.append(Finding("info", "env_override", f"{variable}={shown} sets {key} (effective "
+                                    f"{live}), which {file_name} leaves to the default",
                                     "none while it matches every peer", f"write {key} into {file_name} to keep it in "
                                     "one place", instance))
     return findings

@@ -100,6 +100,18 @@ def test_an_overridden_secret_is_redacted():
     assert findings and "hunter2" not in findings[0].what
 
 
+@pytest.mark.parametrize("file_values", [{"extra_config": {"a": 1}}, {}], ids=["overrides", "sets"])
+def test_secrets_inside_a_json_env_value_are_redacted(file_values):
+    extra = ('{"password": "hunter1", "s3_secret_key": "hunter2", "store": {"api_token": "hunter3", '
+             '"url": "redis://:hunter4@h:6379"}, "chunks": 4}')
+    findings = env_overrides({"LMCACHE_EXTRA_CONFIG": extra, "LMCACHE_REMOTE_URL": "'redis://:hunter5@h:1'"},
+                             file_values, None)
+    assert len(findings) == 2 and not any(f"hunter{n}" in finding.what for finding in findings for n in range(6))
+    assert '"chunks": 4' in findings[0].what and "redis://:***@h:6379" in findings[0].what
+    unparsable = env_overrides({"LMCACHE_EXTRA_CONFIG": '{"password": "hunter1",'}, file_values, None)
+    assert len(unparsable) == 1 and "hunter1" not in unparsable[0].what
+
+
 def test_redis_policy_evictions_and_headroom():
     memory = {"maxmemory": 100 << 20, "maxmemory_policy": "allkeys-lru", "used_memory": 95 << 20}
     findings = redis_info_findings(memory, {"evicted_keys": 3}, "Redis r")
