@@ -132,7 +132,7 @@ def _record(line: bytes) -> tuple[float, list[str]] | None:
     try:
         record = json.loads(line)
         seen, hashes = float(record["timestamp"]), record["chunk_hashes"]
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError, OverflowError):  # nested past the stack, 400 digits
         return None
     if not isinstance(hashes, list) or not all(isinstance(h, str) and len(h) <= 40 for h in hashes):
         return None

@@ -57,6 +57,19 @@ def test_what_is_not_lmcaches_is_skipped_and_counted(recorded, tmp_path):
     assert table.code == 0 and hashes[0][1] in table.stdout and "hottest prompts" in table.stdout
 
 
+def test_hostile_lines_are_skipped_and_counted(recorded, tmp_path):
+    """Lines Python's json cannot turn into a record (nesting past its recursion limit, a 400-digit
+    timestamp no float holds) are counted as skipped like any torn line, never an abort."""
+    directory, _ = recorded
+    hostile = [b"[" * 100_000 + b"]" * 100_000, b'{"timestamp": ' + b"9" * 400 + b', "chunk_hashes": ["ab"]}',
+               b'{"timestamp": 1, "chunk_hashes": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"]
+    for path in directory.iterdir():
+        (tmp_path / path.name).write_bytes(path.read_bytes() + b"\n".join(hostile) + b"\n")
+    result = run_cli("chunk-stats", "top", "--dir", tmp_path, "--format", "json")
+    assert result.code == 0, result.stderr
+    assert (result.json()["requests"], result.json()["skipped_lines"]) == (4, 3)
+
+
 def test_a_directory_without_statistics_is_one_line_and_a_hint(tmp_path):
     empty = run_cli("chunk-stats", "top", "--dir", tmp_path)
     assert empty.code == 1 and empty.stderr.startswith("error: ") and "hint: " in empty.stderr
