@@ -12,6 +12,7 @@ BLOCKS per chunk (not tokens), for comparing two workers or a store against a re
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,10 +38,11 @@ def parse_size(text: str) -> int:
     """Bytes of a size as LMCache reads it: 4GiB, 512MiB, 1.5g, 1048576 (units are powers of 1024)."""
     match = _SIZE.match(text.strip())
     unit = match.group(2).lower() if match else None
-    if not match or unit not in _UNITS or int(float(match.group(1)) * _UNITS[unit]) <= 0:
+    size = float(match.group(1)) * _UNITS[unit] if unit in _UNITS else math.nan
+    if not math.isfinite(size) or int(size) <= 0:  # 400 digits make an infinite float, which no int holds
         raise UsageError(f"bad size {shown(text, quoted=True)}", hint="write it as bytes or with a unit: 4GiB, "
                          "512MiB, 1.5GiB")
-    return int(float(match.group(1)) * _UNITS[unit])
+    return int(size)
 
 
 def parse_blocks(text: str) -> list[int]:

@@ -15,7 +15,8 @@ def test_sizes_parse_as_lmcache_reads_them(text, size):
     assert parse_size(text) == size
 
 
-@pytest.mark.parametrize("text", ["", "0", "0.0001b", "-1GiB", "4XB", "GiB", "1e9", "nan", "4 Gi B"])
+@pytest.mark.parametrize("text", ["", "0", "0.0001b", "-1GiB", "4XB", "GiB", "1e9", "nan", "4 Gi B", "9" * 400,
+                                  "1" + "0" * 400 + "GiB"])
 def test_bad_sizes_are_usage_errors(text):
     with pytest.raises(UsageError, match="bad size"):
         parse_size(text)
