@@ -55,8 +55,10 @@ def _to_number(value: Any, kind: type) -> int | float:
     except (TypeError, ValueError, OverflowError):  # int(inf) overflows
         what = "an integer" if kind is int else "a number"
         raise ConversionError(f"{shown(value, quoted=True)} is not {what}") from None
-    if math.isnan(number):  # no LMCache setting means anything with NaN; every comparison with it is false
+    if kind is float and math.isnan(number):  # no LMCache setting means anything with NaN; no comparison holds
         raise ConversionError(f"{shown(value, quoted=True)} is not a number")
+    if kind is int and not -(1 << 63) <= number < 1 << 63:  # 400 digits: no float holds it for later checks
+        raise ConversionError(f"{shown(value, quoted=True)} is out of range: LMCache's integers fit in 64 bits")
     if kind is int and isinstance(value, float) and value != number:
         raise ConversionError(f"{shown(value, quoted=True)} is not an integer; LMCache would truncate it to {number}")
     return number
@@ -91,7 +93,7 @@ def convert_value(key: str, value: Any) -> Any:
             return value
         try:
             parsed = json.loads(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, RecursionError):  # nested deeper than Python's stack
             raise ConversionError(f"{shown(value, quoted=True)} is not a JSON object") from None
         if not isinstance(parsed, dict):
             raise ConversionError(f"{shown(value, quoted=True)} is not a JSON object")

@@ -131,6 +131,7 @@ def test_tier_sizes_must_be_finite_and_positive(text):
 @pytest.mark.parametrize(("key", "raw"), [
     ("max_local_cpu_size", float("nan")), ("max_local_cpu_size", "nan"), ("max_local_cpu_size", float("inf")),
     ("max_local_disk_size", -1), ("chunk_size", float("nan")), ("pd_shutdown_timeout_sec", float("nan")),
+    ("chunk_size", "9" * 400), ("max_local_cpu_size", "9" * 400), ("extra_config", "[" * 100_000 + "]" * 100_000),
 ])
 def test_nan_and_impossible_sizes_do_not_convert(key, raw):
     with pytest.raises(ConversionError):
