@@ -37,7 +37,7 @@ from kvctl.core.instance import StoredChunk
 FORMAT = "kvctl-snapshot"
 VERSION = 1
 MANIFEST = "manifest.json"
-MAX_MANIFEST_BYTES = 512 * 1024 * 1024  # a million chunks and their prompts' token ids fit well inside
+MAX_MANIFEST_BYTES = 16 << 20  # ~50,000 chunks (about 300 bytes each); parsed, it takes about 5 times this
 BLOCK = tarfile.BLOCKSIZE
 KEY_FIELDS = ("model", "kv_dtype", "world_size", "chunk_size", "hash_algorithm", "hash_seed")
 KEY_FORMAT = "key_format"  # in the manifest's source: which kind of key the chunks are stored under
@@ -49,6 +49,7 @@ CHECKSUM = re.compile(r"[0-9a-f]{64}").fullmatch  # a BLAKE3 digest, hex
 VERIFYING_THREADS = 2  # blake3 lets go of the GIL: a load checks chunks on both cores (ahead of staged writes)
 IN_FLIGHT = 16  # chunks held in memory while their checksums are computed
 LS_HINT = "kvctl snapshot ls FILE shows what it holds and what made its keys"
+_OVER_CAP = f"more than the {MAX_MANIFEST_BYTES >> 20} MiB kvctl loads"
 
 
 @dataclass
@@ -185,6 +186,9 @@ def save(instance, out: Path, prompts: list[SavedPrompt], keys: Sequence[str] = 
             for prompt in prompts:
                 prompt.saved = sum(key in saved for key in prompt.keys)
             body = json.dumps(manifest.as_dict(), separators=(",", ":")).encode()
+            if len(body) > MAX_MANIFEST_BYTES:  # a snapshot no kvctl would load
+                raise KvctlError(f"the snapshot's manifest would be {len(body)} bytes, {_OVER_CAP}",
+                                 hint="save fewer chunks into each snapshot (fewer prompts, or one tier at a time)")
             sink.write(_member_header(MANIFEST, len(body)) + body + bytes(-len(body) % BLOCK) + bytes(2 * BLOCK))
         os.replace(temporary, out)
     finally:
@@ -260,15 +264,17 @@ class Snapshot:
         manifest_end = sum(extents[MANIFEST]) + -extents[MANIFEST][1] % BLOCK
         if size < manifest_end + 2 * BLOCK:
             raise self._bad("it ends without tar's end-of-archive marker (the file is truncated)")
-        self._file = open(self.path, "rb")  # noqa: SIM115 - held open for the mapped views
-        self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if size else None
         offset, length = extents[MANIFEST]
         if length > MAX_MANIFEST_BYTES:
-            raise self._bad(f"its manifest is {length} bytes")
+            raise self._bad(f"its manifest is {length} bytes, {_OVER_CAP}")
+        self._file = open(self.path, "rb")  # noqa: SIM115 - held open for the mapped views
+        self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if size else None
         try:
             data = json.loads(self._map[offset:offset + length])
         except ValueError:
             raise self._bad("its manifest is not JSON") from None
+        except RecursionError:
+            raise self._bad("its manifest nests deeper than Python parses") from None
         return parse_manifest(data, extents, self._bad), extents
 
     def view(self, entry: ChunkEntry) -> memoryview:
@@ -301,6 +307,8 @@ def parse_manifest(data: Any, extents: dict[str, tuple[int, int]], bad) -> Manif
     keys, versions, source = data.get("keys"), data.get("versions"), data.get("source")
     need(isinstance(keys, dict) and set(KEY_FIELDS) <= set(keys), "its manifest does not say what made its keys")
     need(isinstance(versions, dict) and isinstance(source, dict), "its manifest has no versions or source")
+    need(all(isinstance(value, (str, int, float, bool, type(None))) for part in (keys, versions, source)
+             for value in part.values()), "its manifest's keys, versions or source hold other than plain values")
     need(isinstance(data.get("created"), (int, float)), "its manifest has no creation time")
     form = source.get(KEY_FORMAT, "chunk")
     need(form in KEY_FORMATS, f"its keys are of format {str(form)[:40]!r}, which this kvctl does not know")

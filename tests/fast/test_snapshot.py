@@ -159,6 +159,7 @@ HOSTILE = {
     "not json": b"{",
     "not a snapshot": json.dumps({"format": "zip"}).encode(),
     "a future version": json.dumps({"format": "kvctl-snapshot", "version": 99}).encode(),
+    "nested past Python's stack": b"[" * 100_000 + b"]" * 100_000,
 }
 
 
@@ -179,10 +180,21 @@ def test_a_manifest_naming_no_chunk_key_or_a_missing_member_is_refused(instances
                             (lambda m: m["chunks"][0].update(member="chunks/999999"), "data is missing"),
                             (lambda m: m["chunks"][0].update(member=["chunks/000000"]), "data is missing"),
                             (lambda m: m["source"].update(key_format="mp-object"), "is not an MP object key"),
-                            (lambda m: m["source"].update(key_format="zip"), "format 'zip'")):
+                            (lambda m: m["source"].update(key_format="zip"), "format 'zip'"),
+                            (lambda m: m["source"].update(key_format=["chunk"]), "hold other than plain values"),
+                            (lambda m: m["keys"].update(model=[["llama"]]), "hold other than plain values"),
+                            (lambda m: m["versions"].update(kvctl={"a": 1}), "hold other than plain values"),
+                            (lambda m: m["missing"].extend(["x" * 1000] * (17 << 10)), "more than the 16 MiB")):
         path = rewritten(out, change, tmp_path / "changed.kvsnap")
         refused(kvctl("snapshot", "load", path, "--instance", "node-b"), 1, message)
     assert contents(target) == {"cpu": set(), "disk": set()}
+
+
+def test_a_manifest_too_large_to_load_is_never_saved(instances, kvctl, tmp_path, monkeypatch):
+    monkeypatch.setattr("kvctl.core.snapshot.MAX_MANIFEST_BYTES", 1000)
+    out, result = saved(kvctl, tmp_path, "--tokens-file", PROMPT_FILE)
+    refused(result, 1, "more than the")
+    assert not [name for name in os.listdir(tmp_path) if "kvsnap" in name]
 
 
 def rewritten(out, change, path):
