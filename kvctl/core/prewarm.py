@@ -69,7 +69,7 @@ def _from_jsonl(path: Path) -> list[Prompt]:
             continue
         try:
             entry = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than Python parses
             raise KvctlError(f"{path}:{number} is not valid JSON",
                              hint='each line is {"prompt": …} or {"messages": […]}') from None
         name = f"{path}:{number}"

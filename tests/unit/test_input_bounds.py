@@ -9,8 +9,10 @@ import pytest
 from kvctl.core.display import redact_url, shown
 from kvctl.core.errors import ExitCode, KvctlError, UsageError
 from kvctl.core.lmcache_config import ConversionError, convert_value
+from kvctl.core.prewarm import load_prompts
 from kvctl.core.safe_files import MAX_FILE_BYTES, MAX_YAML_NODES, load_yaml, load_yaml_file, read_text
 from kvctl.core.tiers import parse_tier
+from kvctl.core.tokens import read_chat, read_token_ids
 
 
 def alias_bomb(levels: int = 9) -> str:
@@ -80,6 +82,16 @@ def test_directory_and_oversized_files_are_refused(tmp_path):
         load_yaml_file(big)
     big.write_bytes(b"a: 1\n" + b"#" * (MAX_FILE_BYTES - 5))
     assert load_yaml_file(big) == {"a": 1}  # exactly at the cap is fine
+
+
+@pytest.mark.parametrize(("name", "read"), [("tokens.json", read_token_ids), ("chat.json", read_chat),
+                                           ("prompts.jsonl", lambda path: load_prompts([path], chat=False))])
+def test_prompt_files_nested_past_pythons_stack_are_one_line(tmp_path, name, read):
+    path = tmp_path / name
+    path.write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(KvctlError, match="is not valid JSON") as caught:
+        read(str(path))
+    assert caught.value.hint
 
 
 def test_shown_truncates_escapes_and_redacts():
