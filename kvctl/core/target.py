@@ -85,9 +85,12 @@ class Deployment:
 
 
 def read_deployment(config: str | os.PathLike) -> Deployment:
+    from kvctl.core.plugins_enable import parse_kv_transfer_config
+
     files = locate(config)
     env = parse_env_file(read_text(files.env_path)) if files.env_path else {}
-    kv_transfer = json.loads(read_text(files.kv_transfer_path)) if files.kv_transfer_path else {}
+    kv_transfer = (parse_kv_transfer_config(read_text(files.kv_transfer_path), str(files.kv_transfer_path))
+                   if files.kv_transfer_path else {})
     values = load_mapping(files.yaml_path) if files.yaml_path else {}
     if detect_mode(kv_transfer or None, values or None) == "mp":
         stores, notes = _mp_stores(values)

@@ -54,6 +54,18 @@ def test_serve_refuses_a_fifo_in_its_config_directory(tmp_path):
     assert_refused(result, f"{transfer} is a FIFO (named pipe), not a regular file")
 
 
+@pytest.mark.parametrize(("text", "problem"), [("{bad", "is not JSON"), ("[" * 100_000 + "]" * 100_000, "is not JSON"),
+                                               ("[1]", "is not a JSON object")], ids=["torn", "nested", "list"])
+def test_a_kv_transfer_config_that_is_no_json_object_is_one_line(tmp_path, text, problem):
+    assert run_cli("config", "init", "--out", tmp_path / "cfg", "--tier", "cpu:1").code == 0
+    transfer = tmp_path / "cfg" / "kv-transfer-config.json"
+    transfer.write_text(text)
+    assert_refused(run_cli("ls", "--config", tmp_path / "cfg"), f"{transfer} {problem}", code=2)
+    validated = run_cli("config", "validate", tmp_path / "cfg", "--no-lmcache", "--format", "json")
+    assert validated.code == 1 and "Traceback" not in validated.stderr
+    assert "kv-transfer-config.json" in validated.json()["findings"][0]["message"]
+
+
 @pytest.mark.parametrize(("make", "message"), [
     (lambda path: path.mkdir(), "is a directory, not a regular file"),
     (lambda path: path.symlink_to("/dev/zero"), "is a character device, not a regular file"),
