@@ -126,11 +126,15 @@ pin_app.command("apply")(pinsets.apply)
 
 
 def _pin_tables(result, title: str | None = None) -> list:
+    from kvctl.core.controller_instance import ControllerPin
     from kvctl.core.instance import CoordinatorPin
 
     if isinstance(result, CoordinatorPin):
         return [Table(["model", "chunks", "keys", "status"],
                       [(result.model, result.requested, result.affected, result.status)], title=title)]
+    if isinstance(result, ControllerPin):
+        return [Table(["answered by", "location", "pinned tokens", "expires"],
+                      [("controller", result.location, result.pinned_tokens, "at LMCache's pin timeout")], title=title)]
     return [Table(["pin id", "chunks", "tokens", "pinned", "expires in"], [_pin_row(result)], title=title)]
 
 

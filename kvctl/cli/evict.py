@@ -69,13 +69,16 @@ def evict(
 
     def plan(found):
         tokens = tuple(found.tokenize(prompt, model)) if prompt.given else None
-        return found.plan_eviction(Selection(tokens, tuple(key) if key else None, tier_names(tier), force, model))
+        planned = found.plan_eviction(Selection(tokens, tuple(key) if key else None, tier_names(tier), force, model))
+        for note in found.notes:
+            ctx.obj.info(f"note: {found.name}: {note}" if chosen.fleet else f"note: {note}")
+        return planned
 
     if chosen.fleet:
         _evict_fleet(ctx.obj, chosen, plan, dry_run, yes, timeout)
     planned = plan(open_one(chosen))
-    _confirm(planned.total, planned.removed, dry_run, yes)
-    result = planned.execute() if planned.total and not dry_run else planned
+    _confirm(planned.removed, planned.cleared_whole, dry_run, yes)
+    result = planned.execute() if planned.pending and not dry_run else planned
     result.dry_run = dry_run
     ctx.obj.emit(result.as_dict(), _eviction_tables(result))
     for failed, message in result.errors.items():
@@ -84,20 +87,25 @@ def evict(
         raise typer.Exit(ExitCode.PARTIAL)
 
 
-def _confirm(total: int, counts: dict[str, int], dry_run: bool, yes: bool) -> None:
+def _confirm(counts: dict[str, int], whole: list[str], dry_run: bool, yes: bool) -> None:
     """Ask before removing anything, or refuse off a terminal without --yes."""
-    if dry_run or total == 0 or yes:
+    total = sum(counts.values())
+    if dry_run or (total == 0 and not whole) or yes:
         return
-    if not sys.stdin.isatty():
-        raise UsageError(f"refusing to evict {total} chunks without --yes (not on a terminal)",
-                         hint="add --yes, or --dry-run to list them")
     listed = ", ".join(f"{tier}: {n}" for tier, n in counts.items())
-    if not typer.confirm(f"evict {total} chunks ({listed})?", err=True):
+    what = " and ".join(part for part in (f"{total} chunks ({listed})" if total else "",
+                                          f"the whole {'/'.join(sorted(set(whole)))} tier (cleared by LMCache, "
+                                          "counted after)" if whole else "") if part)
+    if not sys.stdin.isatty():
+        raise UsageError(f"refusing to evict {what} without --yes (not on a terminal)",
+                         hint="add --yes, or --dry-run to list them")
+    if not typer.confirm(f"evict {what}?", err=True):
         raise typer.Exit(ExitCode.ERROR)
 
 
 def _eviction_tables(result, title: str | None = None) -> list:
     rows = [(t, n, result.skipped_pinned.get(t, 0)) for t, n in result.removed.items()]
+    rows += [(t, "whole tier" if result.dry_run else "", "") for t in result.cleared_whole if t not in result.removed]
     heading = "would evict (dry run)" if result.dry_run else "evicted"
     tables = [Table(["tier", "chunks", "kept (pinned)"], rows, title=f"{title}: {heading}" if title else heading)]
     if result.dry_run and result.chunks:  # the dry run lists exactly what the real run would remove
@@ -117,9 +125,10 @@ def _evict_fleet(out, chosen, plan, dry_run: bool, yes: bool, timeout: float) ->
     counts: Counter = Counter()
     for each in plans.values():
         counts.update(each.removed)
-    _confirm(sum(counts.values()), dict(counts), dry_run, yes)
+    whole = [tier for each in plans.values() for tier in each.cleared_whole]
+    _confirm(dict(counts), whole, dry_run, yes)
     outcomes = planned.outcomes
-    if not dry_run and sum(counts.values()):
+    if not dry_run and (sum(counts.values()) or whole):
         done = {o.instance: o for o in fan_out([Address(name) for name in plans],
                                                lambda member: plans[member.name].execute(), timeout)}
         outcomes = [done.get(outcome.instance, outcome) for outcome in outcomes]

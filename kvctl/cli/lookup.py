@@ -118,7 +118,8 @@ def render_lookup(result) -> list:
                + "(" + ", ".join(f"{tier} {'-' if hits[tier] is None else hits[tier]}" for tier in marks)
                + "); tiers checked: "
                f"{', '.join(result.tiers_checked) or 'none'}")
-    items: list = [Table(["chunk", "tokens", " ".join(marks[t] for t in result.tiers_checked) or "tiers", "key"], rows,
+    checked = " ".join(marks.get(t, t) for t in result.tiers_checked)  # or where the answer came from
+    items: list = [Table(["chunk", "tokens", checked or "tiers", "key"], rows,
                          title=f"{result.model} ({result.mode}, chunk {result.chunk_size})", caption=summary)]
     for diagnostic in result.diagnostics:
         line = f"[yellow]{diagnostic.cause}[/]: {escape(diagnostic.message)}"

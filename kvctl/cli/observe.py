@@ -71,6 +71,9 @@ def _stats_tables(report: dict[str, Any]) -> list:
     name = report["instance"]
     rows = []
     lmcache, vllm = report.get("lmcache"), report.get("vllm")
+    if "controller_index" in report:  # an instance only its controller answers for
+        return [Table(["metric", "value", "detail"], [("chunks in the controller's index",
+                      _number(report["controller_index"]["chunks"]), " ".join(report["notes"]))], title=name)]
     if not (lmcache or vllm):
         return []
     if lmcache:

@@ -11,11 +11,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from kvctl.core.controller_instance import CONTROLLER_CHUNK, UNREACHED_HINT
 from kvctl.core.doctor import Finding
 from kvctl.core.errors import KvctlError
 
 RANDOM_ID = re.compile(r"lmcacheengineconfig_[0-9a-f]{32}")  # what LMCache makes up when no id is set
-CONTROLLER_CHUNK = 256  # the controller's /lookup builds its token database without a config
 MEMBER_KEYS = ["lmcache_instance_id", "lmcache_worker_heartbeat_time", "pre_caching_hash_algorithm", "chunk_size"]
 
 
@@ -43,6 +43,13 @@ def controller_findings(fleet: str, members: list) -> list[Finding]:
                                         f"of {address.name}, which is not reachable: {address.problem}",
                                         "its /lookup keeps naming an instance that cannot serve them, and shadows "
                                         "live holders (one holder per chunk)", address.hint, address.name))
+            continue
+        if address.controller_only:
+            findings.append(Finding("info", "controller_only", f"{address.name} is registered, but its internal API "
+                                    "is not where kvctl's configurations put it: only the controller answers for it "
+                                    f"(health, its index: {held} chunks, pin, clearing its CPU tier)",
+                                    "its heartbeats, hashing, seed and drift are not checked",
+                                    UNREACHED_HINT, address.name))
             continue
         findings += _member_findings(address, held, seed)
     return findings

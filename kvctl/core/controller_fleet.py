@@ -8,8 +8,8 @@ internal API port + WORKER_PORT_OFFSET; an address of this host reads as loopbac
 internal API to 127.0.0.1). Every URL found that way is checked before it is used: the engine's own
 GET /conf must name the registration's instance id. An instance whose last heartbeat is older than
 the stale limit is reported stale and never asked as if alive (the controller keeps a dead instance
-registered, and its /health hangs on one); one whose internal API is elsewhere is reported with what
-only the controller can answer for it.
+registered, and its /health hangs on one); one whose internal API is elsewhere is answered for by the
+controller alone (kvctl.core.controller_instance), each answer saying so.
 """
 
 from __future__ import annotations
@@ -134,14 +134,7 @@ def discover(instance: str):
             return found
         api = registration.internal_api(local)
         if _answers_as(api, registration.instance_id):
-            found.internal_api = [api]
-        else:
-            _worker_id, ip, port = registration.workers[0]
-            found.problem = (f"registered at {ip}:{port}, but its internal API is not at {api} (kvctl's configurations "
-                             f"put it at the controller port - {WORKER_PORT_OFFSET}); only the controller's own "
-                             "answers are known for it")
-            found.hint = ("configure it with kvctl config init --controller, or name its internal API in "
-                          "kvctl.yaml's instances")
+            found.internal_api = [api]  # else the controller answers for it (kvctl.core.controller_instance)
         return found
 
     with ThreadPoolExecutor(max_workers=DISCOVERY_WIDTH) as pool:

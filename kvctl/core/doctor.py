@@ -766,7 +766,8 @@ def diagnose_fleet(state=None, inventory=None, timeout: float = TIMEOUT_S, fleet
     from kvctl.core.tiers import parse_redis_url
 
     members = instances.resolve(fleet, state, inventory)
-    outcomes = instances.fan_out(members, lambda address: examine(address, None, timeout), timeout + 5)
+    examined = [address for address in members if not address.controller_only]  # the controller's own findings
+    outcomes = instances.fan_out(examined, lambda address: examine(address, None, timeout), timeout + 5)
     findings: list[Finding] = []
     facts: dict[str, KeyFacts] = {}
     stores: list = []

@@ -59,7 +59,9 @@ class Selection:
 class EvictionPlan:
     """Per tier: how many chunks go (`removed`), how many stay because a pin holds them
     (`skipped_pinned`) or LMCache itself does (`held_by_lmcache`), and exactly which (`chunks`).
-    A plan is a dry run until `execute()`, which returns the result in the same shape."""
+    A plan is a dry run until `execute()`, which returns the result in the same shape. A tier a
+    server can only clear whole, without naming its chunks first (LMCache's /cache/clear), is in
+    `cleared_whole`: counted after the clear, never before."""
 
     removed: dict[str, int] = field(default_factory=dict)
     skipped_pinned: dict[str, int] = field(default_factory=dict)
@@ -68,10 +70,16 @@ class EvictionPlan:
     dry_run: bool = True
     errors: dict[str, str] = field(default_factory=dict)  # tier -> why its removal failed (the others went on)
     remove: Callable[[str, list[str]], EvictionPlan] | None = field(default=None, repr=False, compare=False)
+    cleared_whole: list[str] = field(default_factory=list)
 
     @property
     def total(self) -> int:
         return sum(self.removed.values())
+
+    @property
+    def pending(self) -> bool:
+        """Whether executing it removes anything (planned chunks, or a tier cleared whole)."""
+        return self.total > 0 or bool(self.cleared_whole)
 
     def add(self, other: EvictionPlan) -> None:
         """Fold another part's counts and chunks into this one (ranks, tiers)."""
@@ -93,11 +101,12 @@ class EvictionPlan:
         the others go on, so what was removed is still reported; when every tier fails, its error."""
         if self.remove is None:
             raise RuntimeError("this plan has no way to remove its chunks")
-        by_tier: dict[str, list[str]] = {}
+        by_tier: dict[str, list[str]] = {tier: [] for tier in self.cleared_whole}
         for chunk in self.chunks:
             by_tier.setdefault(chunk["tier"], []).append(chunk["key"])
         done = EvictionPlan(dict.fromkeys(self.removed, 0), dict(self.skipped_pinned), [],
-                            None if self.held_by_lmcache is None else dict(self.held_by_lmcache), dry_run=False)
+                            None if self.held_by_lmcache is None else dict(self.held_by_lmcache), dry_run=False,
+                            cleared_whole=list(self.cleared_whole))
         failures = []
         for tier, keys in by_tier.items():
             try:
@@ -118,6 +127,8 @@ class EvictionPlan:
         if self.held_by_lmcache is not None:
             answer["held_by_lmcache"] = self.held_by_lmcache
         answer["chunks"] = self.chunks
+        if self.cleared_whole:
+            answer["cleared_whole"] = self.cleared_whole
         if self.errors:
             answer["errors"] = self.errors
         return answer
@@ -126,7 +137,8 @@ class EvictionPlan:
     def from_dict(cls, answer: dict[str, Any], remove=None) -> EvictionPlan:
         return cls(dict(answer.get("removed", {})), dict(answer.get("skipped_pinned", {})), list(answer["chunks"]),
                    None if "held_by_lmcache" not in answer else dict(answer["held_by_lmcache"]),
-                   answer.get("dry_run", True), dict(answer.get("errors", {})), remove)
+                   answer.get("dry_run", True), dict(answer.get("errors", {})), remove,
+                   list(answer.get("cleared_whole", [])))
 
 
 # A pin set's pins are `set-NAME-DIGEST` (kvctl.core.pinsets): the engine's pin ids are 1-64 of [A-Za-z0-9_-].
@@ -368,6 +380,10 @@ def open_instance(selector: Selector, address=None) -> Instance:
             raise UsageError("this command addresses one instance, not --instance all",
                              hint="name one with --instance NAME")
         address = instances.resolve(selector.instance, selector.state, selector.inventory)[0]
+    if address.controller_only:
+        from kvctl.core.controller_instance import ControllerOnlyInstance
+
+        return ControllerOnlyInstance(address, selector.model)
     address = instances.identify(address)
     if selector.config is not None and address.mode != "mp" and len(address.internal_api) == 1:
         from kvctl.core.target import read_deployment

@@ -57,6 +57,11 @@ class Address:
     hint: str | None = None  # what to do about `problem`
 
     @property
+    def controller_only(self) -> bool:
+        """Registered with a controller that answers for it, its own servers not found."""
+        return bool(self.controller) and not (self.internal_api or self.mp_http or self.problem)
+
+    @property
     def worker(self) -> str | None:
         """Worker 0's internal API URL, where kvctl's routes answer for the engine."""
         return self.internal_api[1] if len(self.internal_api) > 1 else (self.internal_api or [None])[0]

@@ -209,6 +209,11 @@ def instance_health(instance, shared_redis: str | None = None) -> list[Check]:
     from kvctl.clients.vllm import VLLMClient
     from kvctl.core.instances import identify
 
+    if instance.controller_only:
+        from kvctl.core.controller_instance import controller_health
+
+        return [probe("controller", f"{instance.controller} ({instance.name})",
+                      lambda: controller_health(instance, HEALTH_TIMEOUT_S))]
     instance = identify(instance)
     checks = []
     if instance.vllm:
@@ -337,6 +342,10 @@ def instance_stats(instance) -> dict[str, Any]:
     from kvctl.clients.vllm import VLLMClient
     from kvctl.core.instances import identify
 
+    if instance.controller_only:
+        from kvctl.core.controller_instance import controller_stats
+
+        return controller_stats(instance)
     instance = identify(instance)
     errors: dict[str, str] = {}
     notes: list[str] = []

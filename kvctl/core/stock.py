@@ -95,17 +95,43 @@ class StockEngineInstance(OfflineInstance):
         return listing
 
     def plan_eviction(self, selection: Selection) -> EvictionPlan:
-        """The disk and Redis tiers, removed directly. The engine's disk index still names an evicted
-        file until it next reads it (LMCache 0.5.6 then drops the key and recomputes), so that is said."""
-        if "cpu" in (selection.tiers or ()):
-            raise needs_routes("evicting chunks from the CPU tier", "POST /kvctl/v1/evict")
-        plan = super().plan_eviction(selection)
-        if selection.tiers is None or "all" in selection.tiers:
+        """The disk and Redis tiers, removed directly; the CPU tier, only whole, through LMCache's own
+        DELETE /cache/clear (which counts what it removed only after, and skips pinned chunks). The
+        engine's disk index still names an evicted file until it next reads it (LMCache 0.5.6 then
+        drops the key and recomputes), so that is said."""
+        from dataclasses import replace
+
+        cpu = bool(selection.chosen(["cpu"]))
+        if cpu and not selection.whole_tiers and "cpu" in (selection.tiers or ()):
+            raise needs_routes("evicting a prompt's or given chunks from the CPU tier", "POST /kvctl/v1/evict")
+        others = tuple(tier for tier in selection.tiers or ("all",) if tier != "cpu")
+        nothing_else = not others or (others == ("all",) and not self.deployment.stores)  # a CPU-only engine
+        plan = EvictionPlan() if nothing_else else super().plan_eviction(replace(selection, tiers=others))
+        if cpu and selection.whole_tiers:
+            plan.cleared_whole.append("cpu")
+            plan.remove = self._clearing_cpu(plan.remove)
+            self.notes.append("the CPU tier is cleared whole through LMCache's DELETE /cache/clear (every model's "
+                              "chunks on it; pinned ones stay): counted only after")
+        elif cpu:
             self.notes.append("the CPU tier was not evicted: " + not_visible("POST /kvctl/v1/evict"))
         if "disk" in plan.removed:
             self.notes.append("the engine's disk index names an evicted file until it next reads it (LMCache then "
                               "drops the key): a lookup through it may count it until then")
         return plan
+
+    def _clearing_cpu(self, remove_stored):
+        """The plan's remove, with the CPU tier cleared by the engine itself (tokens -> chunks)."""
+        from kvctl.clients.internal_api import InternalAPIClient
+
+        def remove(tier: str, keys: list[str]) -> EvictionPlan:
+            if tier != "cpu":
+                return remove_stored(tier, keys)
+            with InternalAPIClient(self.worker0) as worker:
+                removed = int(worker.clear(["LocalCPUBackend"]).get("num_removed") or 0)
+            chunk = int(self.deployment.settings.get("chunk_size") or 256)
+            return EvictionPlan({"cpu": -(-removed // chunk)}, {"cpu": 0}, [], dry_run=False)
+
+        return remove
 
     def running_engine(self) -> str | None:
         return self.worker0

@@ -38,7 +38,7 @@ def test_one_question_for_the_whole_fleet_and_off_a_terminal_no_member_evicts(in
     before = instances.fleet_contents()
     result = kvctl("evict", "--all", *instances.all)
     assert result.code == 2 and result.stdout == ""
-    assert "refusing to evict 24 chunks without --yes" in result.stderr
+    assert "refusing to evict 24 chunks (cpu: 18, disk: 6) without --yes" in result.stderr
     assert instances.fleet_contents() == before
 
 

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from tests.helpers import (
+    edit_yaml,
     free_port,
     http_json,
     run_kvctl,
@@ -163,3 +164,56 @@ def test_a_stopped_instance_is_stale_and_never_asked(fleet, tmp_path):
     assert drift["level"] == "warning" and f"indexes {2} chunks" in drift["what"], drift
     assert not [key for key in checks if key == ("controller_drift", "kvctl-node-a")], report["findings"]
     assert ("controller_address", None) in checks  # both registered from this host's one address
+
+
+def test_an_instance_configured_elsewhere_is_answered_for_by_the_controller(fleet, tmp_path):
+    """An engine someone else configured: registered, its internal API not at the controller port - 100.
+    kvctl asks the controller for it (health, its index, a pin, clearing its CPU tier), says each answer
+    came from there, and refuses what needs the engine itself."""
+    root, controller_port = fleet["root"], fleet["controller"].rsplit(":", 1)[1]
+    mapped, api = free_port(span=110), free_port()
+    init = run_kvctl("config", "init", "--out", root / "node-c", "--tier", "cpu:0.05", "--controller",
+                     f"127.0.0.1:{controller_port}", "--internal-api-port-start", mapped, "--hash-algorithm", "builtin")
+    assert init.code == 0, init.stderr
+    edit_yaml(root / "node-c" / "lmcache.yaml", internal_api_server_port_start=api, pin_timeout_sec=6)
+    url, log = f"http://127.0.0.1:{api + 1}", root / "node-c.log"
+    proc = start_standalone_engine(root / "node-c", log)
+    stale = f"{fleet['controller']}?stale_after_s={STALE_S}"
+    try:
+        wait_until(lambda: http_json("GET", f"{url}/lmc_version"), 120, "node-c", proc, log)
+        store(url, 20_000, 20_000 + 2 * CHUNK)  # through its own API, which kvctl is not told of
+        prompt = root / "node-c.json"
+        prompt.write_text(json.dumps(list(range(20_000, 20_000 + 2 * CHUNK))))
+
+        def node_c(*args):
+            result, report = fleet_json(*args, "--instance", stale, cwd=tmp_path)
+            return result, by_instance(report)["kvctl-node-c"], report
+
+        _, health, _ = node_c("health")
+        (check,) = health["checks"]
+        assert health["healthy"] and check["component"] == "controller" and "only the controller" in check["detail"]
+        wait_until(lambda: node_c("lookup", "--tokens-file", prompt)[1]["hit_tokens"]["total"] == 2 * CHUNK, 60,
+                   "the controller's index")
+        _, lookup, report = node_c("lookup", "--tokens-file", prompt)
+        assert lookup["hit_tokens"] == {"total": 2 * CHUNK, "cpu": 2 * CHUNK, "disk": None, "redis": None}
+        assert lookup["tiers_checked"] == ["controller_index"]
+        assert lookup["diagnostics"][0]["cause"] == "controller_index"
+        assert report["routing"]["best"] == {"instance": "kvctl-node-c", "hit_tokens": 2 * CHUNK}
+        _, stats, _ = node_c("stats")
+        assert stats["controller_index"] == {"chunks": 2}
+        _, listing, _ = node_c("ls")
+        assert "only its controller answers" in listing["errors"]["instance"] and "kvctl.yaml" in listing["hint"]
+        result, report = fleet_json("doctor", "--instance", stale, cwd=tmp_path)
+        (finding,) = [f for f in report["findings"] if f.get("instance") == "kvctl-node-c"]
+        assert finding["check"] == "controller_only" and "2 chunks" in finding["what"]
+        _, pinned, _ = node_c("pin", "--tokens-file", prompt)
+        assert pinned == {"instance": "kvctl-node-c", "answered_by": "controller", "location": "LocalCPUBackend",
+                          "pinned_tokens": 2 * CHUNK}
+        _, held, _ = node_c("evict", "--tier", "cpu", "--all", "--yes")
+        assert held["removed"] == {"cpu": 0} and held["cleared_whole"] == ["cpu"]  # pinned: LMCache skips them
+        wait_until(lambda: node_c("evict", "--tier", "cpu", "--all", "--yes")[1]["removed"] == {"cpu": 2}, 30,
+                   "the pin timeout (6 s) and the clear")
+        assert http_json("POST", f"{url}/kvctl/v1/lookup", json={"tokens": json.loads(prompt.read_text())})[
+            "hit_tokens"]["total"] == 0
+    finally:
+        stop_process(proc, grace=5)

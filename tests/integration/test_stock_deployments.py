@@ -117,12 +117,29 @@ def test_lookup_counts_disk_and_redis_and_never_a_cpu_zero(stock_engine):
     assert report["tiers_checked"] == ["disk", "redis"] and "POST /kvctl/v1/lookup" in report["errors"]["cpu"]
 
 
-def test_pins_and_cpu_eviction_refuse_naming_the_route(stock_engine):
+def test_pins_and_a_prompts_cpu_eviction_refuse_naming_the_route(stock_engine):
     for args, route in ((("pin", "--tokens-file", stock_engine["tokens"]), "POST /kvctl/v1/pin"),
                         (("pins",), "GET /kvctl/v1/pins"),
-                        (("evict", "--tier", "cpu", "--all", "--yes"), "POST /kvctl/v1/evict")):
+                        (("evict", "--tier", "cpu", "--tokens-file", stock_engine["tokens"], "--yes"),
+                         "POST /kvctl/v1/evict")):
         result = kvctl(stock_engine, *args)
         assert result.code == 2 and route in result.stderr and ROUTES_FIX in result.stderr.split("hint:")[1], args
+
+
+def test_the_whole_cpu_tier_is_cleared_through_lmcaches_own_route(stock_engine):
+    """LMCache's DELETE /cache/clear empties the CPU tier whole; kvctl says so before and counts after."""
+    dry = kvctl(stock_engine, "evict", "--tier", "cpu", "--all", "--dry-run")
+    assert dry.code == 0, dry.stderr
+    assert dry.json()["cleared_whole"] == ["cpu"] and dry.json()["removed"] == {}
+    assert "cleared whole through LMCache's DELETE /cache/clear" in dry.stderr
+    refused = kvctl(stock_engine, "evict", "--tier", "cpu", "--all")  # not a terminal: --yes is needed
+    assert refused.code == 2 and "the whole cpu tier" in refused.stderr
+    cleared = kvctl(stock_engine, "evict", "--tier", "cpu", "--all", "--yes")
+    assert cleared.code == 0, cleared.stderr
+    assert cleared.json()["removed"] == {"cpu": 4} and cleared.json()["dry_run"] is False
+    assert kvctl(stock_engine, "evict", "--tier", "cpu", "--all", "--yes").json()["removed"] == {"cpu": 0}
+    report = kvctl(stock_engine, "lookup", "--tokens-file", stock_engine["tokens"]).json()
+    assert report["hit_tokens"]["disk"] == STORED  # the other tiers were not selected, and kept every chunk
 
 
 def test_snapshot_save_reads_the_stores(stock_engine, tmp_path):
