@@ -2,20 +2,25 @@
 controller, each a complaint in LMCache's and production-stack's trackers, and the drift between the
 controller's index and what the instances really hold.
 
-The controller's own answers (its registry, index counts, /env) are compared with what each live
-instance says of itself (its /conf, and kvctl's routes where they answer).
+The controller's own answers (its registry, index counts, /env) and, when it runs on this host, its
+process (command line, the LMCache it loaded: its HTTP API reports no version) are compared with what each
+live instance says of itself (its /conf, /lmc_version, and kvctl's routes where they answer).
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from kvctl.core.controller_instance import CONTROLLER_CHUNK, UNREACHED_HINT
 from kvctl.core.doctor import Finding
 from kvctl.core.errors import KvctlError
 
 RANDOM_ID = re.compile(r"lmcacheengineconfig_[0-9a-f]{32}")  # what LMCache makes up when no id is set
+DEFAULT_WORKER_TIMEOUT_S = 300.0  # lmcache_controller --lmcache-worker-timeout
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 MEMBER_KEYS = ["lmcache_instance_id", "lmcache_worker_heartbeat_time", "pre_caching_hash_algorithm", "chunk_size"]
 
 
@@ -35,6 +40,8 @@ def controller_findings(fleet: str, members: list) -> list[Finding]:
                         "no fleet view: discovery, routing and the index are unavailable", error.hint)]
     findings = _shared_addresses(registry)
     seed = environment.get("PYTHONHASHSEED") if isinstance(environment, dict) else None
+    controller = local_controller(url)
+    versions: dict[str, str] = {}
     for address in members:
         held = sum(count for (instance, _worker), count in indexed.items() if instance == address.name)
         if address.problem:
@@ -51,8 +58,58 @@ def controller_findings(fleet: str, members: list) -> list[Finding]:
                                     "its heartbeats, hashing, seed and drift are not checked",
                                     UNREACHED_HINT, address.name))
             continue
-        findings += _member_findings(address, held, seed)
-    return findings
+        findings += _member_findings(address, held, seed, controller, versions)
+    return findings + version_findings(controller.lmcache_version, versions)
+
+
+@dataclass(frozen=True)
+class ControllerProcess:
+    """What the controller's HTTP API does not say, read from its process when it runs here."""
+    lmcache_version: str | None = None
+    worker_timeout_s: float = DEFAULT_WORKER_TIMEOUT_S
+
+
+def local_controller(url: str) -> ControllerProcess:
+    """The controller's LMCache version and worker timeout, when a process of this user listens on its
+    port: its command line (lmcache_controller's --lmcache-worker-timeout always overrides the config and
+    the environment) and the LMCache it loaded."""
+    from kvctl.core.local_process import command_line, listening_pid, loaded_lmcache_version
+
+    parts = urlsplit(url)
+    pid = listening_pid(parts.port) if parts.hostname in LOOPBACK and parts.port else None
+    if pid is None:
+        return ControllerProcess()
+    argv, timeout = command_line(pid), None
+    for index, part in enumerate(argv):
+        if part == "--lmcache-worker-timeout" and index + 1 < len(argv):
+            timeout = _seconds(argv[index + 1])
+        elif part.startswith("--lmcache-worker-timeout="):
+            timeout = _seconds(part.partition("=")[2])
+    return ControllerProcess(loaded_lmcache_version(pid), timeout or DEFAULT_WORKER_TIMEOUT_S)
+
+
+def _seconds(text: Any) -> float | None:
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        return None
+    return value if 0 < value < 10**9 else None
+
+
+def version_findings(controller_version: str | None, versions: dict[str, str]) -> list[Finding]:
+    """The controller's and the engines' LMCache versions: its worker messages are version-coupled, and a
+    controller on another version rejects a worker's registration (production-stack PR #1060)."""
+    cost = ("the controller and its workers speak version-coupled messages: a mismatched worker is rejected at "
+            "registration or misread, and drops out of the index")
+    hint = "run the controller from the engines' environment (kvctl serve --controller does)"
+    if controller_version is None:
+        return [Finding("info", "controller_version", "the controller's LMCache version is unknown: its HTTP API "
+                        "reports none, and it is not a process of this user on this host", cost, hint)]
+    others = {name: version for name, version in versions.items() if version != controller_version}
+    if not others:
+        return []
+    return [Finding("error", "controller_version", f"the controller runs LMCache {controller_version}; "
+                    + ", ".join(f"{name} runs {version}" for name, version in sorted(others.items())), cost, hint)]
 
 
 def _shared_addresses(registry: dict[str, list[dict[str, Any]]]) -> list[Finding]:
@@ -68,7 +125,9 @@ def _shared_addresses(registry: dict[str, list[dict[str, Any]]]) -> list[Finding
             for ip, names in sorted(by_ip.items()) if len(names) > 1]
 
 
-def _member_findings(address, indexed: int, controller_seed: str | None) -> list[Finding]:
+def _member_findings(address, indexed: int, controller_seed: str | None, controller: ControllerProcess,
+                     versions: dict[str, str]) -> list[Finding]:
+    """One registered engine's findings; its LMCache version goes into `versions`."""
     from kvctl.clients.internal_api import InternalAPIClient
     from kvctl.core.errors import RoutesAbsent
 
@@ -78,6 +137,7 @@ def _member_findings(address, indexed: int, controller_seed: str | None) -> list
         with InternalAPIClient(address.worker, 10.0) as engine:
             conf = engine.conf(MEMBER_KEYS)
             env = engine.env()
+            versions[name] = str(engine.version())
             try:
                 tiers = engine.info().get("tiers", [])
             except RoutesAbsent:
@@ -85,11 +145,19 @@ def _member_findings(address, indexed: int, controller_seed: str | None) -> list
     except KvctlError as error:
         return [Finding("info", "controller", f"{name} could not be read: {error.message}", "its checks did not "
                         "run", error.hint, name)]
-    if not conf.get("lmcache_worker_heartbeat_time"):
+    beat = _seconds(conf.get("lmcache_worker_heartbeat_time"))
+    if beat is None:
         findings.append(Finding("error", "controller_heartbeats", f"{name} sends the controller no heartbeats "
                                 "(lmcache_worker_heartbeat_time unset)", "the controller cannot tell it is alive: "
                                 "once stopped it stays registered, indexed and asked (its /health hangs)",
                                 "set lmcache_worker_heartbeat_time: 5 (kvctl config init --controller does)", name))
+    elif beat >= controller.worker_timeout_s:
+        findings.append(Finding("warning", "controller_heartbeats", f"{name} beats every {beat:g} s, the controller "
+                                f"times workers out after {controller.worker_timeout_s:g} s",
+                                "once the controller's health checks are on (--health-check-interval), it "
+                                "deregisters the live instance between two heartbeats and drops its index",
+                                "set lmcache_worker_heartbeat_time well below the controller's "
+                                "--lmcache-worker-timeout (5 s, as kvctl config init --controller does)", name))
     if RANDOM_ID.fullmatch(str(conf.get("lmcache_instance_id") or "")):
         findings.append(Finding("warning", "controller_instance_id", f"{name} has an instance id LMCache made up",
                                 "not stable across restarts: a restarted engine registers as a new instance while "

@@ -64,7 +64,8 @@ def test_a_dry_run_lists_exactly_what_the_real_run_then_removes(instances, kvctl
 
 def test_without_yes_off_a_terminal_nothing_is_removed(instances, kvctl):
     before = contents(instances.one)
-    refused(kvctl("evict", "--all"), 2, "refusing to evict 8 chunks (cpu: 6, disk: 2) without --yes (not on a terminal)",
+    refused(kvctl("evict", "--all"), 2,
+            "refusing to evict 8 chunks (cpu: 6, disk: 2) without --yes (not on a terminal)",
             "add --yes, or --dry-run")
     assert contents(instances.one) == before
 

@@ -24,6 +24,7 @@ from tests.helpers import (
 
 pytestmark = pytest.mark.slow
 CHUNK = 256
+WORKER_TIMEOUT_S = 4  # below the engines' 5 s heartbeats: doctor must say so (health checks stay off)
 STALE_S = 20  # the engines beat every 5 s: a stopped one is stale after this in the tests
 
 
@@ -35,7 +36,8 @@ def fleet(tmp_path_factory):
     started = []
     try:
         started.append(start_process([sys.executable, "-m", "lmcache.v1.api_server", "--host", "127.0.0.1", "--port",
-                                      str(port), "--monitor-ports", json.dumps(ports)], root / "controller.log"))
+                                      str(port), "--monitor-ports", json.dumps(ports), "--lmcache-worker-timeout",
+                                      str(WORKER_TIMEOUT_S)], root / "controller.log"))
         controller = f"http://127.0.0.1:{port}"
         wait_until(lambda: http_json("GET", f"{controller}/controller/key-stats"), 120, "controller", started[0],
                    root / "controller.log")
@@ -92,6 +94,17 @@ def test_the_controller_names_the_fleet_without_an_inventory(fleet, tmp_path):
     assert set(members) == {"kvctl-node-a", "kvctl-node-b"} and all(member["healthy"] for member in members.values())
     targets = {name: member["checks"][0]["target"] for name, member in members.items()}
     assert targets == fleet["urls"]  # the internal APIs found from the registrations, each checked by its id
+
+
+def test_doctor_reads_from_the_controllers_process_what_its_api_does_not_say(fleet, tmp_path):
+    result, report = fleet_json("doctor", "--instance", fleet["controller"], cwd=tmp_path)
+    assert result.stdout, result.stderr
+    checks = [finding["check"] for finding in report["findings"]]
+    assert "controller_version" not in checks, report["findings"]  # read from its process: the engines' own
+    beats = {finding["instance"]: finding for finding in report["findings"]
+             if finding["check"] == "controller_heartbeats"}
+    assert set(beats) == {"kvctl-node-a", "kvctl-node-b"}, report["findings"]
+    assert f"times workers out after {WORKER_TIMEOUT_S} s" in beats["kvctl-node-a"]["what"]
 
 
 def test_lookup_names_the_instance_that_holds_a_prompt_and_pins_and_evicts_through_the_fleet(fleet, tmp_path):

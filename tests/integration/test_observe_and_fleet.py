@@ -163,7 +163,8 @@ def test_fleet_pin_and_evict_plan_everywhere_ask_once_and_name_failures(fleet):
     assert result.code == 0, result.stderr
 
     refused, _ = kvctl("evict", "--tokens-file", tokens, "--tier", "cpu", *every)
-    assert refused.code == 2 and "refusing to evict 4 chunks (cpu: 4) without --yes" in refused.stderr  # one question for all
+    # one question for all
+    assert refused.code == 2 and "refusing to evict 4 chunks (cpu: 4) without --yes" in refused.stderr
     result, done = kvctl("evict", "--tokens-file", tokens, "--tier", "cpu", "--yes", *every)
     assert result.code == 0 and not done["dry_run"]
     assert [(r["instance"], r["removed"]) for r in done["instances"]] == [("a", {"cpu": 2}), ("b", {"cpu": 2})]
