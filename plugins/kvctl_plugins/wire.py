@@ -67,7 +67,7 @@ def read_frames(body: bytes | bytearray | memoryview) -> Iterator[tuple[str, mem
             header = json.loads(bytes(view[offset:offset + length]))
             key, size, metadata = header["key"], header["size"], header["metadata"]
             metadata = None if metadata is None else bytes.fromhex(metadata)
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: `[` nested past the stack
             raise ValueError(f"a frame header at byte {offset} is not {{key, size, metadata}}") from None
         if not isinstance(key, str) or not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise ValueError(f"a frame header at byte {offset} has a bad key or size")

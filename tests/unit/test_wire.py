@@ -125,3 +125,31 @@ def test_shown_never_cuts_an_escape():
     assert shown("\x1b" * 100, 10) == "\\x1b\\x1b…"
     assert shown("ab\ncd") == "ab\\ncd"
     assert shown("a" * 8 + "\x1b", 10) == "a" * 8 + "…"
+
+
+# -- frames -------------------------------------------------------------------------------------------
+
+
+def frame(header: bytes, data: bytes = b"") -> bytes:
+    return wire.FRAME_LENGTH.pack(len(header)) + header + data
+
+
+def test_frames_round_trip():
+    body = wire.frame_header("k1", 3, b"\x01\x02") + b"abc" + wire.frame_header("k2", 0, None)
+    assert [(key, bytes(data), metadata) for key, data, metadata in wire.read_frames(body)] == [
+        ("k1", b"abc", b"\x01\x02"), ("k2", b"", None)]
+
+
+@pytest.mark.parametrize("body, message", [
+    (frame(b"[" * 8000), "not {key, size, metadata}"),  # nested past Python's stack: was a RecursionError
+    (frame(b'{"key": "k", "size": 1, "metadata": null}' + b" " * 9000), "malformed or cut short"),
+    (frame(b"[1, 2]"), "not {key, size, metadata}"),
+    (frame(b'{"key": "k", "size": 1, "metadata": 7}', b"x"), "not {key, size, metadata}"),
+    (frame(b'{"key": 1, "size": 1, "metadata": null}', b"x"), "bad key or size"),
+    (frame(b'{"key": "k", "size": true, "metadata": null}', b"x"), "bad key or size"),
+    (frame(b'{"key": "k", "size": 5, "metadata": null}', b"x"), "cut short"),
+    (b"\0\0", "cut short"),
+])
+def test_a_malformed_frame_is_a_value_error(body, message):
+    with pytest.raises(ValueError, match=message.replace("{", r"\{").replace("}", r"\}")):
+        list(wire.read_frames(body))
