@@ -178,7 +178,8 @@ def conf_set(ctx: typer.Context,
     Only the settings LMCache reads on every request are taken: min_retrieve_tokens,
     save_decode_cache, priority_limit, blocking_timeout_secs. Any other (chunk_size, the hash
     algorithm, tier sizes and paths, remote_url, ...) is read when the engine is built: refused with
-    exit 2, nothing changed.
+    exit 2, nothing changed. So are values LMCache would misbehave on: min_retrieve_tokens below 0,
+    blocking_timeout_secs below 1 (every Redis get would time out).
     """
     from kvctl.core import manage
 

@@ -120,10 +120,12 @@ def confirm(question: str, refusal: str, hint: str, yes: bool) -> None:
         raise typer.Exit(ExitCode.ERROR)
 
 
-def _quota(ctx: typer.Context, action: str, instance, state_file, inventory, salt=None, limit_gb=None) -> None:
+def _quota(ctx: typer.Context, action: str, instance, state_file, inventory, salt=None, limit_gb=None,
+           confirm_shrink=None) -> None:
     from kvctl.core import manage
 
-    result = manage.quota(open_one(selector(instance, state_file, inventory)), action, salt, limit_gb)
+    result = manage.quota(open_one(selector(instance, state_file, inventory)), action, salt, limit_gb,
+                          confirm_shrink)
     ctx.obj.emit(result.as_dict(), _quota_tables(result))
 
 
@@ -145,10 +147,19 @@ def quota_get(ctx: typer.Context, salt: SaltArgument, instance: InstanceOption =
 def quota_set(ctx: typer.Context, salt: SaltArgument,
               limit_gb: Annotated[float, typer.Argument(help="The limit in GB (0 or more).", metavar="LIMIT_GB",
                                                         min=0)],
-              instance: InstanceOption = None, state_file: StateOption = None,
+              yes: Yes = False, instance: InstanceOption = None, state_file: StateOption = None,
               inventory: InventoryOption = None) -> None:
-    """Set a salt's quota: over-budget chunks go at the next eviction cycle (about a second)."""
-    _quota(ctx, "set", instance, state_file, inventory, salt, limit_gb)
+    """Set a salt's quota: over-budget chunks go at the next eviction cycle (about a second).
+
+    Lowering an existing quota asks first, or needs --yes (0 evicts all of the salt's chunks, as rm does).
+    """
+    def shrink(current: dict) -> None:
+        change = f"the quota of {salt or '_default'} from {current['limit_gb']:g} GB to {limit_gb:g} GB"
+        used = current.get("current_usage_gb") or 0
+        confirm(f"lower {change} ({used:g} GB used; what is over the limit will be evicted)?",
+                f"refusing to lower {change}", "add --yes: its chunks over the new limit are evicted", yes)
+
+    _quota(ctx, "set", instance, state_file, inventory, salt, limit_gb, shrink)
 
 
 @quota_app.command("rm")

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import shlex
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,12 @@ MP_HASH_ALGORITHMS = ("blake3", "sha256_cbor")  # "builtin" keys change with eve
 HASH_ALGORITHMS = tuple(dict.fromkeys(INPROCESS_HASH_ALGORITHMS + MP_HASH_ALGORITHMS))
 HASH_SEED = "0"
 SECRET_WORDS = ("password", "secret", "token", "api_key", "apikey")
+# Numbers LMCache takes but then misbehaves on: (least, most, why) per key, for those `conf set` may change.
+BOUNDS: dict[str, tuple[int, int, str]] = {
+    "min_retrieve_tokens": (0, (1 << 63) - 1, "LMCache refuses a negative one at start"),
+    "blocking_timeout_secs": (1, int(threading.TIMEOUT_MAX), "every Redis get waits this long: below 1 each one "
+                              "times out, above Python's longest wait each one fails"),
+}
 
 
 class ConversionError(ValueError):
@@ -85,6 +92,9 @@ def convert_value(key: str, value: Any) -> Any:
         if kind == "float" and "size" in key and not (math.isfinite(number) and number >= 0):
             raise ConversionError(f"{shown(value, quoted=True)} is not a size: sizes are finite numbers of GB, "
                                   "0 or more")
+        least, most, why = BOUNDS.get(key, (number, number, ""))
+        if not least <= number <= most:
+            raise ConversionError(f"{number} is out of range: {least} to {most} ({why})")
         return number
     if kind.startswith("list["):
         return _to_list(value, kind[5:-1])

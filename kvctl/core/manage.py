@@ -19,6 +19,7 @@ read again on every request (checked in the 0.5.6 source), and refuses the rest.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -491,9 +492,11 @@ class Quotas:
         return {**head, "quotas": self.quotas}
 
 
-def quota(instance, action: str, salt: str | None = None, limit_gb: float | None = None) -> Quotas:
+def quota(instance, action: str, salt: str | None = None, limit_gb: float | None = None,
+          confirm_shrink: Callable[[dict[str, Any]], None] | None = None) -> Quotas:
     """list, get SALT, set SALT LIMIT_GB, rm SALT on an MP server (soft per-cache_salt limits of its
-    L2 IsolatedLRU eviction; a salt without a quota has an effective limit of 0)."""
+    L2 IsolatedLRU eviction; a salt without a quota has an effective limit of 0). A set that lowers an
+    existing quota evicts what is over it, as rm does: `confirm_shrink(current quota)` is asked first."""
     from kvctl.clients.mp_server import MPServerClient
 
     found = require_mp(instance, "tenant quotas")
@@ -503,8 +506,11 @@ def quota(instance, action: str, salt: str | None = None, limit_gb: float | None
             users = server.quotas().get("users", {})
             return Quotas([{"cache_salt": s, **v} for s, v in users.items()])
         if action == "set":
-            if limit_gb is None or limit_gb < 0:
+            if limit_gb is None or not math.isfinite(limit_gb) or limit_gb < 0:
                 raise UsageError("a quota is a size in GB, 0 or more", hint="e.g. kvctl quota set tenant-a 20")
+            current = server.quota(name)
+            if confirm_shrink is not None and current.get("exists") and limit_gb < current.get("limit_gb", 0):
+                confirm_shrink(current)
             answer = server.set_quota(name, limit_gb)
             return Quotas([server.quota(name)], "set", answer.get("status"))
         if action == "rm":
