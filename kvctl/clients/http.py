@@ -9,7 +9,7 @@ import json
 import threading
 from typing import Any
 
-from kvctl_plugins.wire import ERROR_CODE, ERROR_MESSAGE, PREFIX, TOKEN_VARIABLE  # the routes' contract
+from kvctl_plugins.wire import BUSY, ERROR_CODE, ERROR_MESSAGE, PREFIX, TOKEN_VARIABLE  # the routes' contract
 
 from kvctl.core.errors import RejectedError, RoutesAbsent, ServerError, UnreachableError
 
@@ -102,6 +102,10 @@ class HTTPClient:
             raise RejectedError(f"{self.url} wants a bearer token for kvctl's routes: {_message(payload)}",
                                 hint=f"set {TOKEN_VARIABLE} (source the configuration's env.sh) for an instance "
                                 "named by URL, or give its inventory entry token_file: or env_file:")
+        if response.status_code == 503 and isinstance(payload, dict) and payload.get(ERROR_CODE) == BUSY:
+            raise ServerError(f"{self.url} is busy: {_message(payload)}",
+                              hint="another kvctl (a snapshot save or load?) is moving chunk bytes there; "
+                              "retry when it has finished")
         if response.status_code < 500:
             raise RejectedError(f"{self.url} rejected {method} {path}: {_message(payload)}",
                                 hint="check the request; the server's message says what it wants")

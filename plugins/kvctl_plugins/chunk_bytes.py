@@ -5,9 +5,10 @@ through LMCache's own allocator and puts, so its index and accounting stay exact
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
-from kvctl_plugins import protocol
+from kvctl_plugins import protocol, wire
 from kvctl_plugins.disk_index import chunk_tokens, token_bytes
 from kvctl_plugins.engine_ops import backends, select_backends
 from kvctl_plugins.protocol import BadRequest
@@ -15,17 +16,64 @@ from kvctl_plugins.protocol import BadRequest
 SETTLE_S = 30.0  # how long a write waits for the disk and remote tiers' asynchronous puts to land
 
 
-def read_chunks(engine, texts: Any, tiers: list[str] | None) -> tuple[bytes, int | None]:
-    """A body of frames (wire.py) for those of the named keys a selected tier holds, in the order asked,
-    each from the first tier in lookup order that holds it; and the index into `texts` of the first key
-    left out because its frame would take the chunk bytes over wire.MAX_CHUNKS_BODY (None: all were
-    answered; the first frame always goes, so a client that asks again from there gets on).
+def read_chunks(engine, texts: Any, tiers: list[str] | None) -> tuple[Iterator[bytes], int | None]:
+    """The frames (wire.py) of those of the named keys a selected tier holds, in the order asked, each from
+    the first tier in lookup order that holds it, as an iterator that reads one chunk at a time; and the
+    index into `texts` of the first key left out because its chunk would take the answer over
+    wire.MAX_CHUNKS_BODY (None: all were answered; the first chunk always goes, so a client that asks again
+    from there gets on).
 
-    Reading changes nothing LMCache keeps: no pin, no write-back into the CPU tier (which
-    StorageManager.get adds for a disk or remote hit), no move in the disk tier's LRU order."""
+    What goes is settled before a byte is read, from the sizes the tiers know without copying (the CPU
+    tier's objects, the disk tier's index; a whole chunk for any other tier, which cannot say), so the
+    answer streams instead of being built whole in the worker's memory; a chunk gone by the time its turn
+    comes is simply not held. Reading changes nothing LMCache keeps: no pin, no write-back into the CPU tier
+    (which StorageManager.get adds for a disk or remote hit), no move in the disk tier's LRU order."""
     names = protocol.strings(texts, "keys", protocol.MAX_KEYS)
     chosen = select_backends(engine, tiers)
-    return protocol.framed(names, lambda name: _first_copy(engine, chosen, _chunk_key(name)))
+    planned: dict[str, Any] = {}
+    total, next_index = 0, None
+    for index, name in enumerate(names):
+        if name in planned:
+            continue
+        key = _chunk_key(name)
+        size = _held_size(engine, chosen, key)
+        if size is None:
+            continue
+        if planned and total + size > wire.MAX_CHUNKS_BODY:
+            next_index = index
+            break
+        planned[name] = key
+        total += size
+    return _frames(engine, chosen, planned), next_index
+
+
+def _held_size(engine, chosen: list[tuple[str, str, Any]], key) -> int | None:
+    """The bytes of the chunk the first chosen tier that holds it keeps (at most, for a remote tier)."""
+    for _, name, backend in chosen:
+        if name == "LocalDiskBackend":
+            with backend.disk_lock:
+                entry = backend.dict.get(key)
+            if entry is not None:
+                return entry.shape.numel() * entry.dtype.itemsize
+        elif name == "LocalCPUBackend":
+            memory_obj = backend.get_blocking(key)  # a reference only: no LRU move
+            if memory_obj is not None:
+                try:
+                    return memoryview(memory_obj.byte_array).nbytes
+                finally:
+                    memory_obj.ref_count_down()
+        elif backend.contains(key, False):
+            return token_bytes(engine.metadata, engine.config.chunk_size) * engine.config.chunk_size
+    return None
+
+
+def _frames(engine, chosen: list[tuple[str, str, Any]], planned: dict[str, Any]) -> Iterator[bytes]:
+    for name, key in planned.items():
+        found = _first_copy(engine, chosen, key)
+        if found is not None:
+            data, metadata = found
+            yield wire.frame_header(name, len(data), metadata)
+            yield data
 
 
 def _chunk_key(text: str):

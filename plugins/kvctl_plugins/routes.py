@@ -5,29 +5,36 @@ Mounted on every internal API server the process creates, bound where that serve
 protocol.py says; a client mistake is a 4xx with {"error", "message"}, never a 500.
 
 Chunk bytes (snapshots), as bodies of frames (wire.py), application/octet-stream:
-    POST chunks/read   {"keys": [...], "tiers": [...]?} -> the frames of the keys held; when the next
-                       frame would take the chunk bytes over MAX_CHUNKS_BODY the answer stops there
-                       and NEXT_HEADER gives the index into "keys" to ask again from
+    POST chunks/read   {"keys": [...], "tiers": [...]?} -> the frames of the keys held, streamed as they
+                       are read; when the next chunk would take the answer over MAX_CHUNKS_BODY it
+                       stops there and NEXT_HEADER gives the index into "keys" to ask again from
     POST chunks/write?tiers=cpu,disk   frames -> {"written", "already", "dropped"}: {tier: chunks}
+A process serves at most MAX_CHUNK_TRANSFERS of these at once (ChunkTransfers); one more is a 503 BUSY.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvctl_plugins import chunk_bytes, engine_ops, protocol
 from kvctl_plugins.engine_ops import PinRegistry
 from kvctl_plugins.protocol import BadRequest
-from kvctl_plugins.wire import PREFIX
+from kvctl_plugins.wire import BUSY, FRAMES_TYPE, NEXT_HEADER, PREFIX
 
 router = APIRouter(prefix=PREFIX)
 PINS = PinRegistry()
 NO_ENGINE = ("this process has no LMCache engine (a vLLM scheduler process); "
              "ask a worker's port (port_start + 1 + worker id)")
 MAX_TIERS = 8
+# chunk requests one process serves at once: a write holds its whole body (up to protocol.MAX_FRAMES_BODY,
+# ~270 MiB) until it is stored, so without a bound one local client could grow a worker's memory at will
+MAX_CHUNK_TRANSFERS = 2
+CHUNK_PATHS = frozenset({f"{PREFIX}/chunks/read", f"{PREFIX}/chunks/write"})
+RETRY_AFTER_S = 5
 
 
 async def _serve(request: Request, operation, frames: bool = False) -> Response:
@@ -110,7 +117,9 @@ async def prefetch(request: Request) -> JSONResponse:
 @router.post("/chunks/read")
 async def read_chunks(request: Request) -> Response:
     def operation(engine, body):
-        return protocol.frames_response(*chunk_bytes.read_chunks(engine, body.get("keys"), _tiers(body)))
+        frames, next_index = chunk_bytes.read_chunks(engine, body.get("keys"), _tiers(body))
+        return StreamingResponse(frames, media_type=FRAMES_TYPE,
+                                 headers={} if next_index is None else {NEXT_HEADER: str(next_index)})
 
     return await _serve(request, operation)
 
@@ -123,6 +132,38 @@ async def write_chunks(request: Request) -> Response:
         return chunk_bytes.write_chunks(engine, raw, chosen)
 
     return await _serve(request, operation, frames=True)
+
+
+class ChunkTransfers:
+    """ASGI middleware: at most MAX_CHUNK_TRANSFERS chunk requests at a time in this process (every
+    internal API server in it together), each counted from before its body is read until its answer is
+    sent or its client is gone. One more is answered 503 BUSY at once, its body unread."""
+
+    _lock = threading.Lock()
+    _active = 0
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] not in CHUNK_PATHS:
+            await self.app(scope, receive, send)
+            return
+        with ChunkTransfers._lock:
+            admitted = ChunkTransfers._active < MAX_CHUNK_TRANSFERS
+            if admitted:
+                ChunkTransfers._active += 1
+        if not admitted:
+            refusal = protocol.error(503, BUSY, f"this engine is already moving chunk bytes for "
+                                                f"{MAX_CHUNK_TRANSFERS} requests; retry when one has finished")
+            refusal.headers["Retry-After"] = str(RETRY_AFTER_S)
+            await refusal(scope, receive, send)
+            return
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            with ChunkTransfers._lock:
+                ChunkTransfers._active -= 1
 
 
 def install() -> None:
@@ -139,6 +180,7 @@ def install() -> None:
         original(self, categories)
         self.app.include_router(router)
         self.app.add_middleware(protocol.LMCacheRouteGuard)
+        self.app.add_middleware(ChunkTransfers)
 
     register_all_apis.kvctl_wrapped = True
     APIRegistry.register_all_apis = register_all_apis

@@ -30,6 +30,7 @@ OPEN_PROBES = frozenset({"/metrics", "/lmc_version", "/version", "/commit_id", "
 
 ERROR_CODE = "error"  # a refusal's machine-readable code: bad_request, not_found, unauthorized, ...
 ERROR_MESSAGE = "message"  # what a person reads
+BUSY = "busy"  # the code of a 503 for a request refused while the server serves its most at once: retry later
 
 # kvctl's tier names in LMCache's lookup order (LocalCPUBackend, LocalDiskBackend, a RemoteBackend on
 # Redis). An engine's routes answer its own backends' order, which may name "remote" or a backend.
