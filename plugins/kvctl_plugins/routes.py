@@ -155,7 +155,7 @@ class ChunkTransfers:
                 ChunkTransfers._active += 1
         if not admitted:
             refusal = protocol.error(503, BUSY, f"this engine is already moving chunk bytes for "
-                                                f"{MAX_CHUNK_TRANSFERS} requests; retry when one has finished")
+                                                f"{MAX_CHUNK_TRANSFERS} requests, its most at once")
             refusal.headers["Retry-After"] = str(RETRY_AFTER_S)
             await refusal(scope, receive, send)
             return

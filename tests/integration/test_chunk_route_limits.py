@@ -2,6 +2,7 @@
 engine: a malformed frame is a 400, never a 500; at most routes.MAX_CHUNK_TRANSFERS requests are served
 at once and the next is a 503 busy; read answers stream; the engine goes on serving."""
 
+import json
 import socket
 from concurrent.futures import ThreadPoolExecutor
 
@@ -13,7 +14,7 @@ from kvctl_plugins.wire import FRAME_LENGTH, FRAMES_TYPE, NEXT_HEADER, PREFIX, r
 from kvctl.clients.internal_api import InternalAPIClient
 from kvctl.core.errors import ServerError
 from kvctl.core.keys import KeyRecipe, inprocess_keys
-from tests.helpers import http_json, standalone_engine, wait_until
+from tests.helpers import http_json, run_kvctl, standalone_engine, wait_until
 
 CHUNK = 256
 CHUNK_BYTES = 2 * 2 * CHUNK * 64 * 2  # kv, layers, tokens, heads x head size, float16
@@ -65,8 +66,10 @@ def test_a_frame_header_nested_past_the_stack_is_a_400(engine):
 
 
 @pytest.mark.slow
-def test_chunk_requests_beyond_the_bound_are_refused_busy_and_the_engine_stays_healthy(engine):
+def test_chunk_requests_beyond_the_bound_are_refused_busy_and_the_engine_stays_healthy(engine, tmp_path):
     keys = stored(engine, 0, 3)
+    prompt = tmp_path / "tokens.json"
+    prompt.write_text(json.dumps(list(range(3 * CHUNK))))
     held = [held_open(engine) for _ in range(MAX_CHUNK_TRANSFERS)]
     try:
         wait_until(lambda: write(engine, b"").status_code == 503, 10, "the held requests admitted")
@@ -81,6 +84,9 @@ def test_chunk_requests_beyond_the_bound_are_refused_busy_and_the_engine_stays_h
                 with pytest.raises(ServerError, match="is busy: this engine is already moving chunk bytes") as busy:
                     call()
                 assert "retry when it has finished" in busy.value.hint
+        saved = run_kvctl("snapshot", "save", "--tokens-file", prompt, "--instance", engine, "-o", tmp_path / "s")
+        assert saved.code == 5 and "is busy" in saved.stderr and "hint: " in saved.stderr, saved.stderr
+        assert "Traceback" not in saved.stderr and len(saved.stderr.strip().splitlines()) == 2
     finally:
         for connection in held:
             connection.close()
