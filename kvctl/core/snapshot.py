@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import mmap
 import os
 import re
+import struct
 import tarfile
 import time
 from collections import deque
@@ -50,6 +52,13 @@ VERIFYING_THREADS = 2  # blake3 lets go of the GIL: a load checks chunks on both
 IN_FLIGHT = 16  # chunks held in memory while their checksums are computed
 LS_HINT = "kvctl snapshot ls FILE shows what it holds and what made its keys"
 _OVER_CAP = f"more than the {MAX_MANIFEST_BYTES >> 20} MiB kvctl loads"
+# LMCache's RemoteMetadata header (lmcache/v1/protocol.py): native int32s length, fmt, then per group a dtype
+# code (DTYPE_TO_INT, here as LMCache's key spelling) and a shape zero-padded to 4-D
+HEADER_DTYPES = {1: "half", 2: "half", 3: "bfloat16", 4: "float", 5: "double", 6: "uint8", 7: "fp8_e4m3fn",
+                 8: "fp8_e5m2"}
+ITEM_BYTES = {"half": 2, "bfloat16": 2, "float": 4, "double": 8, "uint8": 1, "fp8_e4m3fn": 1, "fp8_e5m2": 1}
+MEMORY_FORMATS = range(9)  # MemoryFormat: UNDEFINED=0 … HS_TD=8
+FACT_LABELS = {"model": "model", "world_size": "world size", "kv_dtype": "KV dtype"}
 
 
 @dataclass
@@ -134,12 +143,20 @@ def select_prompts(instance, sources: Sequence[tuple[str, Any]], model: str | No
 
 
 def tier_keys(instance, tier: str, model: str | None) -> list[str]:
-    """Every chunk key one tier holds (of `model`, else of every model)."""
-    listing = instance.list([tier], model, 2**31 - 1)
+    """Every chunk key one tier holds that the instance makes: of `model` (else the model it serves), its
+    world size and KV dtype. A snapshot is of one model: other chunks sharing the tier (another
+    deployment's on a shared Redis) would be keys its manifest does not describe."""
+    facts = instance.key_facts(model)
+    if facts.model is None:
+        raise UsageError(f"{instance.name} does not say which model it serves: a whole tier's snapshot is of one",
+                         hint="name it: --model NAME")
+    listing = instance.list([tier], facts.model, 2**31 - 1)
     if listing.errors:
         tier_name, why = next(iter(listing.errors.items()))
         raise KvctlError(f"cannot list the {tier_name} tier: {why}", hint="check the tier (kvctl health) and retry")
-    return [chunk.key for listed in listing.tiers for chunk in listed.chunks]
+    keys = [chunk.key for listed in listing.tiers for chunk in listed.chunks]
+    made = {name: getattr(facts, name) for name in KEY_FIELDS}
+    return [key for key in keys if key_disagreement(key, made, instance.key_format) is None]
 
 
 def save(instance, out: Path, prompts: list[SavedPrompt], keys: Sequence[str] = (), model: str | None = None,
@@ -182,6 +199,9 @@ def save(instance, out: Path, prompts: list[SavedPrompt], keys: Sequence[str] = 
             if not saved:
                 raise KvctlError(f"none of the {len(wanted)} selected chunks is cached on {instance.name}",
                                  hint="prewarm the prompt first (kvctl prewarm), then save")
+            _refuse_strangers(manifest, lambda why: KvctlError(
+                f"{instance.name} holds a chunk its key facts do not describe: {why}",
+                hint="save one model at a time (--model NAME) from an instance serving it"))
             manifest.missing = [key for key in wanted if key not in saved]
             for prompt in prompts:
                 prompt.saved = sum(key in saved for key in prompt.keys)
@@ -238,7 +258,7 @@ class Snapshot:
         if self._file is not None:
             self._file.close()
 
-    def _bad(self, why: str) -> KvctlError:
+    def bad(self, why: str) -> KvctlError:
         return KvctlError(f"{self.path} is not a usable snapshot: {why}",
                           hint="save it again (kvctl snapshot save); nothing was written")
 
@@ -254,28 +274,28 @@ class Snapshot:
             with tarfile.open(self.path, "r:") as archive:
                 for member in archive:
                     if member.offset_data + member.size > size:
-                        raise self._bad(f"{member.name} is cut short (the file is truncated)")
+                        raise self.bad(f"{member.name} is cut short (the file is truncated)")
                     if member.isfile():
                         extents[member.name] = (member.offset_data, member.size)
         except (tarfile.TarError, OSError) as error:
-            raise self._bad(f"not a readable tar file ({error})") from None
+            raise self.bad(f"not a readable tar file ({error})") from None
         if MANIFEST not in extents:
-            raise self._bad("it has no manifest.json (cut short while saving, or not a snapshot)")
+            raise self.bad("it has no manifest.json (cut short while saving, or not a snapshot)")
         manifest_end = sum(extents[MANIFEST]) + -extents[MANIFEST][1] % BLOCK
         if size < manifest_end + 2 * BLOCK:
-            raise self._bad("it ends without tar's end-of-archive marker (the file is truncated)")
+            raise self.bad("it ends without tar's end-of-archive marker (the file is truncated)")
         offset, length = extents[MANIFEST]
         if length > MAX_MANIFEST_BYTES:
-            raise self._bad(f"its manifest is {length} bytes, {_OVER_CAP}")
+            raise self.bad(f"its manifest is {length} bytes, {_OVER_CAP}")
         self._file = open(self.path, "rb")  # noqa: SIM115 - held open for the mapped views
         self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if size else None
         try:
             data = json.loads(self._map[offset:offset + length])
         except ValueError:
-            raise self._bad("its manifest is not JSON") from None
+            raise self.bad("its manifest is not JSON") from None
         except RecursionError:
-            raise self._bad("its manifest nests deeper than Python parses") from None
-        return parse_manifest(data, extents, self._bad), extents
+            raise self.bad("its manifest nests deeper than Python parses") from None
+        return parse_manifest(data, extents, self.bad), extents
 
     def view(self, entry: ChunkEntry) -> memoryview:
         offset, size = self._extents[entry.member]
@@ -290,7 +310,7 @@ class Snapshot:
         with ThreadPoolExecutor(VERIFYING_THREADS) as pool:
             for entry, found in pool.map(digest, self.manifest.chunks):
                 if found != entry.blake3:
-                    raise self._bad(f"the checksum of chunk {entry.key} does not match (the file was changed)")
+                    raise self.bad(f"the checksum of chunk {entry.key} does not match (the file was changed)")
                 metadata = bytes.fromhex(entry.metadata) if entry.metadata else None
                 yield StoredChunk(entry.key, self.view(entry), metadata)
 
@@ -338,6 +358,88 @@ def parse_manifest(data: Any, extents: dict[str, tuple[int, int]], bad) -> Manif
     missing = data.get("missing")
     need(isinstance(missing, list), "its manifest has no list of missing chunks")
     return Manifest(keys, versions, source, data["created"], prompts, chunks, missing)
+
+
+def key_disagreement(key: str, facts: dict[str, Any], form: str) -> str | None:
+    """How a chunk key (of format `form`) differs from what made the snapshot's keys: its model, world
+    size, rank within it or KV dtype (in-process keys only: no MP key names one); None when it agrees.
+    A fact that is None (the source did not say) is not compared; an in-process key of world size 1 is
+    one an engine of any world size makes where it saves the first rank's chunks only (MLA)."""
+    parsed = parses(form)(key)
+    if form == "chunk":
+        found = {"model": parsed.model_name, "world_size": parsed.world_size, "kv_dtype": parsed.kv_dtype}
+        rank = parsed.worker_id
+    else:
+        found = {"model": parsed.model_name, "world_size": parsed.kv_rank >> 24}
+        rank = (parsed.kv_rank >> 16) & 0xFF
+    expected = {name: facts.get(name) for name in found}
+    if form == "chunk" and parsed.world_size == 1:
+        expected["world_size"] = None
+    if expected.get("kv_dtype") is not None:
+        expected["kv_dtype"] = _key_dtype(str(expected["kv_dtype"]))
+    for name, value in found.items():
+        if expected[name] is not None and str(value) != str(expected[name]):
+            return f"chunk {key} is keyed for {FACT_LABELS[name]} {value}, not {expected[name]}"
+    if rank >= found["world_size"]:
+        return f"chunk {key} is keyed for rank {rank} of a world of size {found['world_size']}"
+    return None
+
+
+def chunk_disagreement(entry: ChunkEntry, facts: dict[str, Any], form: str) -> str | None:
+    """key_disagreement, then the chunk's metadata header: MP objects carry none; an in-process chunk's,
+    where kept, must be LMCache's RemoteMetadata for exactly the chunk's bytes in its key's dtype (what
+    LMCache reads back from a Redis tier is sized by the header, not by the bytes)."""
+    why = key_disagreement(entry.key, facts, form)
+    if why or entry.metadata is None:
+        return why
+    if form != "chunk":
+        return f"chunk {entry.key} carries a metadata header; MP objects have none"
+    header = _header_facts(bytes.fromhex(entry.metadata))
+    if header is None:
+        return f"chunk {entry.key}'s metadata header is not LMCache's (length, format, dtype and shape per group)"
+    length, dtypes, shaped = header
+    if length != entry.size or shaped != entry.size:
+        return (f"chunk {entry.key} is {entry.size} bytes; its metadata header says {length} bytes of shapes "
+                f"holding {shaped}")
+    dtype = parses(form)(entry.key).kv_dtype
+    if any(found != dtype for found in dtypes):
+        return f"chunk {entry.key}'s metadata header says KV dtype {'+'.join(dtypes)}; its key says {dtype}"
+    return None
+
+
+def _refuse_strangers(manifest: Manifest, error) -> None:
+    """error(why) for the first chunk the manifest's own key facts do not describe."""
+    form = manifest.source.get(KEY_FORMAT, "chunk")
+    for entry in manifest.chunks:
+        why = chunk_disagreement(entry, manifest.keys, form)
+        if why:
+            raise error(why)
+
+
+def _key_dtype(name: str) -> str:
+    """A dtype as in-process keys spell it (`torch.float16` and `float16` read `half`)."""
+    from kvctl.core.keys import DTYPE_NAMES
+
+    bare = name.removeprefix("torch.")
+    return DTYPE_NAMES.get(bare, bare)
+
+
+def _header_facts(header: bytes) -> tuple[int, list[str], int] | None:
+    """(length, dtype per group, bytes its shapes hold) of a RemoteMetadata header; None for what is none."""
+    if len(header) < 28 or (len(header) - 8) % 20:
+        return None
+    length, fmt, *groups = struct.unpack(f"={len(header) // 4}i", header)
+    if fmt not in MEMORY_FORMATS:
+        return None
+    dtypes, shaped = [], 0
+    for start in range(0, len(groups), 5):
+        code, *dims = groups[start:start + 5]
+        if code not in HEADER_DTYPES or any(dim < 0 for dim in dims):
+            return None
+        dims = dims[:dims.index(0)] if 0 in dims else dims  # the zero padding to 4-D
+        dtypes.append(HEADER_DTYPES[code])
+        shaped += math.prod(dims) * ITEM_BYTES[HEADER_DTYPES[code]]
+    return length, dtypes, shaped
 
 
 def _is_hex(text: str) -> bool:
@@ -394,6 +496,7 @@ def check_compatible(snapshot: Snapshot, instance, model: str | None) -> None:
     manifest = snapshot.manifest
     saved = KeyFacts(**{name: manifest.keys[name] for name in KEY_FIELDS})
     facts = instance.key_facts(model)  # first: an instance that cannot take snapshots at all says so
+    _refuse_strangers(manifest, lambda why: snapshot.bad(f"its manifest's key facts do not describe it: {why}"))
     theirs, mine = manifest.source.get(KEY_FORMAT, "chunk"), instance.key_format
     if theirs != mine:
         raise UsageError(f"each chunk of {snapshot.path} is keyed by {KEY_FORMATS[theirs]}; {instance.name} "

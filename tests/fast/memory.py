@@ -11,6 +11,7 @@ fleet members that fail or never answer.
 
 from __future__ import annotations
 
+import struct
 import threading
 import time
 import zlib
@@ -201,7 +202,8 @@ class MemoryInstance(ChunkKeyed):
     def read_chunks(self, keys: Sequence[str]) -> Iterator[StoredChunk]:
         for key in dict.fromkeys(keys):
             if any(store.held([key]) for store in self.stores):
-                yield StoredChunk(key, self.data.get(key, chunk_bytes(key)), b"meta:" + key.encode())
+                data = self.data.get(key, chunk_bytes(key))
+                yield StoredChunk(key, data, remote_metadata(len(data)))
 
     def write_chunks(self, chunks: Iterable[StoredChunk], tier: str | None = None) -> dict[str, dict[str, int]]:
         store = next(store for store in self.stores if tier in (None, store.tier))
@@ -217,6 +219,11 @@ class MemoryInstance(ChunkKeyed):
 
     def stages_writes(self, tier: str | None = None) -> bool:
         return False  # each chunk is stored as it comes
+
+
+def remote_metadata(size: int) -> bytes:
+    """LMCache's RemoteMetadata header of `size` bytes of float16 (the keys' half) as one flat group."""
+    return struct.pack("=7i", size, 1, 2, size // 2, 0, 0, 0)
 
 
 def chunk_bytes(key: str) -> bytes:

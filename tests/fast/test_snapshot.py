@@ -13,7 +13,7 @@ import pytest
 from kvctl.core.doctor import KeyFacts
 from kvctl.core.instance import ChunkKeyed
 from tests.fast.conftest import MODEL, OTHER_PROMPT, PROMPT, PROMPT_FILE, PROMPT_KEYS, contents
-from tests.fast.memory import MemoryInstance, MemoryStore, chunk_bytes, memory_keys
+from tests.fast.memory import MemoryInstance, MemoryStore, chunk_bytes, memory_keys, remote_metadata
 
 
 @pytest.fixture
@@ -66,7 +66,7 @@ def test_the_file_is_a_tar_with_the_chunks_and_a_manifest_of_what_made_the_keys(
                                 "hash_algorithm": "crc32", "hash_seed": "0"}
     assert manifest["prompts"][0]["token_ids"] == PROMPT and manifest["prompts"][0]["keys"] == PROMPT_KEYS
     assert first == chunk_bytes(manifest["chunks"][0]["key"])
-    assert bytes.fromhex(manifest["chunks"][0]["metadata"]) == b"meta:" + manifest["chunks"][0]["key"].encode()
+    assert bytes.fromhex(manifest["chunks"][0]["metadata"]) == remote_metadata(len(first))
 
     listed = kvctl("snapshot", "ls", out, "--format", "json").json()
     assert (listed["chunks"], listed["bytes"], listed["missing"]) == (4, 4 * 1024, 0)
