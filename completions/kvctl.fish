@@ -531,7 +531,7 @@ complete -c kvctl -n '__kvctl_at '\''snapshot save'\''' -l chat -r -F -d 'A JSON
 complete -c kvctl -n '__kvctl_at '\''snapshot save'\''' -l tokens-file -r -F -d 'A JSON token-ids file (repeatable).'
 complete -c kvctl -n '__kvctl_at '\''snapshot save'\''' -l pin-set -r -F -d 'Every prompt of a pin set file.'
 complete -c kvctl -n '__kvctl_at '\''snapshot save'\''' -l tier -x -a 'cpu disk redis all' -d 'With --all: the tier whose chunks to save.'
-complete -c kvctl -n '__kvctl_at '\''snapshot save'\''' -l all -d 'Every chunk of --tier (of --model, if given).'
+complete -c kvctl -n '__kvctl_at '\''snapshot save'\''' -l all -d 'Every chunk of --tier of the served model (or --model), at its world size and KV dtype.'
 complete -c kvctl -n '__kvctl_at '\''snapshot save'\''' -l force -d 'Replace the output file if it exists.'
 complete -c kvctl -n '__kvctl_at '\''snapshot save'\''' -l model -x -a '(kvctl complete-values models (commandline -ct))' -d 'The value of vLLM'\''s --model: names the keys (only this model'\''s chunks are taken), and a local directory also gives the tokenizer.'
 complete -c kvctl -n '__kvctl_at '\''snapshot save'\''' -l vllm-url -r -F -d 'Tokenize with a running vLLM (its OpenAI server URL) instead of a local tokenizer.'

@@ -44,8 +44,8 @@ def save(
     prompt_file: PromptFiles = None, chat: ChatFiles = None, tokens_file: TokensFiles = None,
     pin_set: PinSetFile = None,
     tier: Annotated[Tier | None, typer.Option("--tier", help="With --all: the tier whose chunks to save.")] = None,
-    everything: Annotated[bool, typer.Option("--all", help="Every chunk of --tier keyed as the instance keys its "
-                                             "model's (or --model's): one model, world size and KV dtype.")] = False,
+    everything: Annotated[bool, typer.Option("--all", help="Every chunk of --tier of the served model (or --model), "
+                                             "at its world size and KV dtype.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Replace the output file if it exists.")] = False,
     model: ModelOption = None, vllm_url: VllmOption = None, instance: InstanceOption = None,
     state: StateOption = None, config: ConfigOption = None,
