@@ -5,12 +5,21 @@ set, `{pin_id: {file, model, tokens}}`, in its cache directory (a 0600 file). Ap
 its pins there (checked against the coordinator's pinned keys: one restarted without --metadata-path
 has lost them) and releases those the file no longer lists by their prompts: one unpin undoes one pin,
 so other pins of the same chunks stay. Several kvctl machines applying one set each keep their own.
+
+Two kvctl processes applying one set on one machine take turns: each holds the ledger's lock (flock on
+a file beside it) while it pins and releases, reads the ledger again once it holds it, and skips what
+the other did meanwhile, so neither writes over the other's records nor pins a prompt twice.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
+import os
+import time
+from collections.abc import Iterator
 from typing import Any
 
 from kvctl.core.errors import KvctlError
@@ -22,7 +31,21 @@ class Ledger:
 
         digest = hashlib.sha256(scope.encode()).hexdigest()[:16]
         self.path = cache_dir() / "pin-ledgers" / digest / f"{set_name}.json"
+        self.lock_path = self.path.parent / f"{set_name}.lock"
         self.entries: dict[str, dict[str, Any]] = self._read()
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[Ledger]:
+        """Hold the ledger's lock (another kvctl applying the set waits), with the entries read again
+        under it; record and forget are called inside."""
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            self.entries = self._read()
+            yield self
+        finally:
+            os.close(fd)  # releases the lock
 
     def _read(self) -> dict[str, dict[str, Any]]:
         from kvctl.core.safe_files import require_regular
@@ -42,7 +65,8 @@ class Ledger:
         return entries
 
     def record(self, pin_id: str, file: str, model: str, tokens: list[int]) -> None:
-        self.entries[pin_id] = {"file": file, "model": model, "tokens": tokens}
+        """The time makes a pin made again (the coordinator lost it) a record another apply can tell apart."""
+        self.entries[pin_id] = {"file": file, "model": model, "tokens": tokens, "pinned_at": time.time()}
         self._save()
 
     def forget(self, pin_id: str) -> None:
@@ -53,5 +77,4 @@ class Ledger:
         """Written whole, readable by its owner only (it holds prompts' token ids)."""
         from kvctl.core.safe_files import write_private
 
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         write_private(self.path, json.dumps(self.entries))

@@ -193,6 +193,7 @@ class Step:
     pinned: dict[str, int] | None = None
     prewarm: str | None = None  # "prefilled", or why not, when chunks of the entry were not cached
     error: str | None = None
+    recorded: dict[str, Any] | None = field(default=None, repr=False)  # MP: the ledger's record when planned
 
     def as_dict(self) -> dict[str, Any]:
         answer: dict[str, Any] = {"action": self.action, "pin_id": self.pin_id}
@@ -286,9 +287,9 @@ def _ledger_plan(pin_set: PinSet, instance, model: str | None) -> Application:
         recorded = pin_id in ledger.entries
         action = UNCHANGED if recorded and held else PIN
         why = "lost by the coordinator (restarted without --metadata-path?)" if recorded and not held else None
-        steps.append(Step(action, pin_id, entry, tokens, why, len(keys), held))
-    steps += [Step(RELEASE, pin_id, None, record["tokens"]) for pin_id, record in ledger.entries.items()
-              if pin_id not in wanted]
+        steps.append(Step(action, pin_id, entry, tokens, why, len(keys), held, recorded=ledger.entries.get(pin_id)))
+    steps += [Step(RELEASE, pin_id, None, record["tokens"], recorded=record)
+              for pin_id, record in ledger.entries.items() if pin_id not in wanted]
     return Application(pin_set.name, str(pin_set.path), instance.name, steps)
 
 
@@ -296,14 +297,25 @@ def execute(application: Application, instance, model: str | None = None, prewar
     """Release, refresh (pin again under the same id, which replaces the old pin only once the new one
     holds: the chunks are never unpinned in between) and pin, step by step: a step that fails carries its
     error and the others go on. With `prewarm` and an instance whose vLLM is known, an
-    entry with chunks not cached is first prefilled through it (kvctl.core.prewarm)."""
-    from kvctl.core.instance import Pin
+    entry with chunks not cached is first prefilled through it (kvctl.core.prewarm). MP: under the
+    ledger's lock, a step whose record another kvctl changed since the plan is left to what it did."""
     from kvctl.core.pin_ledger import Ledger
 
-    ledger = None if instance.pin_ids else Ledger(instance.pin_scope(), application.set)
+    if instance.pin_ids:
+        return _execute(application, instance, model, prewarm, None)
+    with Ledger(instance.pin_scope(), application.set).locked() as ledger:
+        return _execute(application, instance, model, prewarm, ledger)
+
+
+def _execute(application: Application, instance, model: str | None, prewarm: bool, ledger) -> Application:
+    from kvctl.core.instance import Pin
+
     order = {RELEASE: 0, REFRESH: 1, PIN: 2, UNCHANGED: 3}
     for step in sorted(application.steps, key=lambda step: order[step.action]):
         if step.action == UNCHANGED:
+            continue
+        if ledger is not None and ledger.entries.get(step.pin_id) != step.recorded:
+            step.action, step.why = UNCHANGED, "applied by another kvctl since the plan"
             continue
         try:
             if step.action == RELEASE and ledger is not None:
