@@ -222,7 +222,9 @@ def env_overrides(environ: dict[str, str], file_values: dict[str, Any], effectiv
 def disk_findings(directories: list[str], budget_bytes: int | None, suffix: str = ".pt",
                   instance: str | None = None) -> list[Finding]:
     """Files LMCache cannot use in a disk tier (foreign names, zero-length or torn chunk files whose size
-    differs from their siblings'), bytes beyond the budget, free space below it."""
+    differs from their siblings', stale partial files of interrupted kvctl loads), bytes beyond the
+    budget, free space below it."""
+    from kvctl.clients.disk_tier import is_partial
     from kvctl.core.keys import parse_key, parse_object_key
 
     def kind_of(name: str):
@@ -255,12 +257,15 @@ def disk_findings(directories: list[str], budget_bytes: int | None, suffix: str 
                 continue
             size = entry.stat(follow_symlinks=False).st_size
             total += size
+            if is_partial(entry.name):
+                continue  # partial_findings
             kind = kind_of(entry.name)
             if kind is None:
                 foreign.append(entry.name)
                 continue
             sizes[entry.name] = size
             by_kind.setdefault(kind, []).append(entry.name)
+        findings += partial_findings(directory, instance)
         if foreign:
             findings.append(Finding("warning", "disk", f"{len(foreign)} file(s) in {directory} are no LMCache chunk: "
                                     f"{', '.join(sorted(foreign)[:5])}", "disk space the tier's budget does not count "
@@ -298,6 +303,25 @@ def disk_findings(directories: list[str], budget_bytes: int | None, suffix: str 
                                         "stores fail (or evict early) before the tier reaches its budget",
                                         "free space or lower max_local_disk_size", instance))
     return findings
+
+
+def partial_findings(directory: str, instance: str | None = None) -> list[Finding]:
+    """The partial files kvctl loads left in a disk directory when they were killed (SIGKILL, a crash):
+    disk space no tier counts and LMCache never reads; a load writing there now is no finding."""
+    from kvctl.clients.disk_tier import stale_partials
+
+    try:
+        with stale_partials(directory) as stale:
+            if not stale:
+                return []
+            size = sum(path.lstat().st_size for path in stale)
+    except (KvctlError, OSError):
+        return []  # gone meanwhile; disk_findings says what keeps it from reading the directory
+    return [Finding("warning", "disk", f"{len(stale)} stale kvctl partial file(s) in {directory} ({_size(size)}), left "
+                    f"by interrupted snapshot loads: {', '.join(path.name for path in stale[:3])}",
+                    "disk space no tier counts; LMCache never reads them",
+                    "remove them: kvctl evict --config DIR --tier disk --dry-run lists them, and any eviction of "
+                    "that tier (without --dry-run) removes them with the chunks it selects", instance)]
 
 
 def _size(count: float) -> str:
