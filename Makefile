@@ -10,15 +10,17 @@ setup:
 test: setup lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# The in-memory layer, the pure functions and the commands: under a minute, no servers started.
+# The in-memory layer, the pure functions, the commands and the property layer on a small budget:
+# under a minute, no servers started.
 test-fast: setup
-	$(PY) -m pytest tests/unit tests/fast tests/cli -q $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit tests/fast tests/cli tests/property -q -m "not slow" --hypothesis-profile=quick \
+		$(PYTEST_ARGS)
 
 lint: setup
 	$(PY) -m ruff check .
 
 run: setup
-	@./scripts/main-job
+	@./scripts/main-job $(ARGS)
 
 bench: setup
 	@for bench in benchmarks/[!_]*.py; do echo "== $$bench"; $(PY) $$bench || exit 1; done

@@ -4,8 +4,17 @@ import shutil
 from dataclasses import dataclass
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from tests.helpers import VENV_BIN, free_port, start_process, stop_process, wait_until
+
+# The property layer (tests/property): a few thousand examples per target in `make test`, a small budget in
+# `make test-fast` (--hypothesis-profile=quick). No deadline: a 2-core CI machine is slow, not wrong.
+settings.register_profile("thorough", max_examples=2000, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+settings.register_profile("quick", max_examples=60, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+settings.load_profile("thorough")
 
 
 @dataclass

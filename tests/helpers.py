@@ -93,6 +93,13 @@ def wait_until(check, timeout: float, what: str, proc: subprocess.Popen | None =
     raise AssertionError(f"{what}: not ready after {timeout} s\n{tail}")
 
 
+def default_signals() -> None:
+    """preexec_fn for a child a test will signal: started as a background job of a non-interactive shell
+    (CI runners, `nohup … &`), the suite inherits SIGINT ignored, and so would the child."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 def start_process(argv: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
     handle = log.open("w")
     return subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT,

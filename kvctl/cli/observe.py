@@ -3,6 +3,9 @@ instance or a fleet (`--instance all` with a kvctl.yaml inventory)."""
 
 from __future__ import annotations
 
+import signal
+import threading
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
@@ -117,13 +120,9 @@ def top(ctx: typer.Context, instance: FleetInstance = None, state: StateOption =
 
     def frame() -> tuple[dict[str, Any], list]:
         """Health and stats side by side: a frame takes one --timeout at most, not two."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(2) as pool:
-            health_run = pool.submit(health_frame, instance, state, inventory, timeout)
-            stats_run = pool.submit(stats_frame, instance, state, inventory, timeout)
-            health_payload, health_items, health_code[0] = health_run.result()
-            stats_payload, stats_items, _ = stats_run.result()
+        (health_payload, health_items, health_code[0]), (stats_payload, stats_items, _) = side_by_side(
+            lambda: health_frame(instance, state, inventory, timeout),
+            lambda: stats_frame(instance, state, inventory, timeout))
         return {"health": health_payload, "stats": stats_payload}, [*health_items, *stats_items]
 
     out = ctx.obj
@@ -131,10 +130,40 @@ def top(ctx: typer.Context, instance: FleetInstance = None, state: StateOption =
         payload, items = frame()
         out.emit(payload, items)
         raise typer.Exit(health_code[0])
+    previous = signal.signal(signal.SIGTERM, _leave)
     try:
         out.watch(frame, interval)
     except KeyboardInterrupt:
         return
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _leave(_signum, _frame) -> None:
+    """SIGTERM leaves `top` like Ctrl-C: the terminal restored, at once."""
+    raise KeyboardInterrupt
+
+
+def side_by_side(*calls: Callable[[], Any]) -> list[Any]:
+    """Each call's result, run concurrently on daemon threads: leaving (Ctrl-C, SIGTERM) never waits for a
+    probe still in flight. The first call's exception is raised."""
+    results: list[Any] = [None] * len(calls)
+    errors: list[BaseException] = []
+
+    def run(index: int, call: Callable[[], Any]) -> None:
+        try:
+            results[index] = call()
+        except BaseException as error:  # noqa: BLE001 - handed to the caller's thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(index, call), daemon=True) for index, call in enumerate(calls)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results
 
 
 def _number(value) -> str:

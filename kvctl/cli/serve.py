@@ -119,6 +119,7 @@ def _run(out, plan, pins: Path | None = None) -> None:
 
     supervisor = Supervisor(plan)
     previous = {signum: signal.signal(signum, supervisor.request_stop) for signum in (signal.SIGINT, signal.SIGTERM)}
+    served = False
     try:
         with out.status("preparing") as update:
             supervisor.on_progress = update
@@ -136,6 +137,7 @@ def _run(out, plan, pins: Path | None = None) -> None:
                                                      for k, v in endpoints.items()],
                             title=f"kvctl serve {plan.name} ({plan.mode}) is ready",
                             caption=f"logs in {Path(plan.components[0].log).parent}; Ctrl-C stops")])
+            served = True
             supervisor.watch()
     finally:
         with out.status("stopping") as update:
@@ -144,7 +146,7 @@ def _run(out, plan, pins: Path | None = None) -> None:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         remove_state(plan)
-    if supervisor.stop_requested == signal.SIGINT:
+    if supervisor.stop_requested == signal.SIGINT and not served:  # Ctrl-C once serving is the way to stop
         raise typer.Exit(ExitCode.INTERRUPTED)
     out.success(f"stopped {plan.name}")
 

@@ -4,7 +4,9 @@ that no proxy can fake, a start that fails within seconds, and MP pins through t
 
 import json
 import os
+import pty
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -14,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from tests.helpers import KVCTL, free_port, proxy_answering_200, run_kvctl, wait_until
+from tests.helpers import KVCTL, REPO, default_signals, free_port, proxy_answering_200, run_kvctl, wait_until
 from tests.integration.test_serve_readiness import started_child
 
 
@@ -38,7 +40,8 @@ class Serve:
         argv = [str(KVCTL), "serve", "--port", str(self.port), "--internal-api-port-start", str(self.api),
                 "--mp-port", str(free_port()), "--mp-http-port", str(self.mp_http), "--coordinator-port",
                 str(self.coordinator), *args]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=self.stderr.open("w"), env=self.env)
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=self.stderr.open("w"), env=self.env,
+                                     preexec_fn=default_signals)
         if ready:
             wait_until(lambda: self.state_file.exists() or self.proc.poll() is not None, 600, "kvctl serve")
             assert self.proc.poll() is None, self.stderr.read_text()[-3000:]
@@ -128,6 +131,48 @@ def test_serve_prewarm_lookup_restart_stop_inprocess(tmp_path):
 
 
 @pytest.mark.slow
+def test_make_run_ends_cleanly_on_ctrl_c(tmp_path):
+    """The README's main job on a terminal, stopped the normal way: Ctrl-C to the whole foreground group
+    (make, the script, kvctl). The last thing a user sees is kvctl's stop, not make's "Error 130"."""
+    cache = tmp_path / "kvctl-cache"
+    ports = f"--port {free_port()} --internal-api-port-start {free_port()}"
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(["make", "--no-print-directory", "run", f"ARGS={ports}"], cwd=REPO, stdin=follower,
+                            stdout=follower, stderr=follower, start_new_session=True, preexec_fn=default_signals,
+                            env={**os.environ, "KVCTL_CACHE_DIR": str(cache), "COLUMNS": "120"})
+    os.close(follower)
+    output, state = b"", cache / "serve" / "state.json"
+    try:
+        deadline = time.monotonic() + 600
+        while not state.exists() and proc.poll() is None and time.monotonic() < deadline:
+            output += read_available(leader)
+        assert state.exists(), output.decode(errors="replace")[-3000:]
+        pids = [process["pid"] for process in json.loads(state.read_text())["processes"]]
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(120)
+        output += read_available(leader)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        os.close(leader)
+    text = output.decode(errors="replace")
+    # make, signalled itself, waits for kvctl and then dies of SIGINT as it must: a shell prints nothing for that
+    assert proc.returncode == -signal.SIGINT, text[-3000:]
+    assert "Error" not in text and "Traceback" not in text, text[-3000:]
+    assert "stopped default" in text.strip().splitlines()[-1], text[-3000:]
+    wait_until(lambda: not any(group_alive(pid) for pid in pids), 60, "children gone")
+
+
+def read_available(leader: int) -> bytes:
+    """What the terminal shows within half a second (nothing once the other side is closed)."""
+    try:
+        return os.read(leader, 65536) if select.select([leader], [], [], 0.5)[0] else b""
+    except OSError:
+        return b""
+
+
+@pytest.mark.slow
 def test_serve_exits_with_the_log_when_a_child_dies(tmp_path):
     serve = Serve(tmp_path / "kvctl-cache")
     try:
@@ -164,7 +209,8 @@ def test_serve_mp_prewarm_lookup(tmp_path):
         lmcache = json.loads(stats.stdout)["instances"][0]["lmcache"]
         assert lmcache["lookup"]["tokens"] >= entry["chunks"] * 256  # vLLM asked the server for its full chunks
         assert lmcache["tiers"][0]["tier"] == "cpu" and lmcache["tiers"][0]["chunks"] >= entry["chunks"]
-        assert serve.stop(signal.SIGINT) == 130
+        assert serve.stop(signal.SIGINT) == 0  # Ctrl-C is how a server is stopped: not a failure
+        assert "stopped" in serve.stderr.read_text()
     finally:
         if serve.proc.poll() is None:
             serve.stop()
