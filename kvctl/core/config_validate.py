@@ -142,9 +142,10 @@ def _load_kv_transfer(files: ConfigFiles, collector: _Collector) -> dict[str, An
     name = shown(files.kv_transfer_path.name)
     try:
         data = json.loads(read_text(files.kv_transfer_path))
-    except (json.JSONDecodeError, RecursionError) as error:
-        where = (f" (line {error.lineno}, column {error.colno}): {error.msg}" if isinstance(error, ValueError)
-                 else ": it nests deeper than Python parses")
+    except (ValueError, RecursionError) as error:
+        where = (f" (line {error.lineno}, column {error.colno}): {error.msg}" if isinstance(error, json.JSONDecodeError)
+                 else ": it nests deeper than Python parses" if isinstance(error, RecursionError)
+                 else f": {str(error).split(';')[0]}")  # an integer of more than 4300 digits
         collector.error(None, f"{name} is not valid JSON{where}",
                         hint="it is the value of vLLM's --kv-transfer-config; regenerate it with 'kvctl config init'")
         return None

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from kvctl.core.display import shown
 from kvctl.core.errors import ExitCode, KvctlError, UnreachableError, UsageError
 from kvctl.core.paths import config_home
 
@@ -208,6 +209,11 @@ def _from_inventory(name: str, entry: Any, path: Path) -> Address:
     if not isinstance(entry, dict):
         raise KvctlError(f"instance {name!r} in {path} is not a mapping",
                          hint="give it state: FILE or internal_api: URL")
+    wrong = next((key for key, value in entry.items() if not _entry_value(key, value)), None)
+    if wrong is not None:
+        raise KvctlError(f"instance {shown(str(name))} in {path}: {shown(str(wrong))} is not "
+                         + ("a URL or a list of URLs" if wrong == "internal_api" else "a string"),
+                         hint="see 'kvctl health --help' for the inventory's shape")
     if "state" in entry:
         address = from_state(read_state(Path(entry["state"]).expanduser()), name)
     elif "internal_api" in entry:
@@ -222,6 +228,14 @@ def _from_inventory(name: str, entry: Any, path: Path) -> Address:
         raise KvctlError(f"instance {name!r} in {path} has no state, internal_api or mp_http",
                          hint="say where to find it")
     return grant_token(address, entry_token(name, entry, path) or config_token(address.config_dir))
+
+
+def _entry_value(key: Any, value: Any) -> bool:
+    """An inventory entry's value has the type its key needs (strings; internal_api may list them)."""
+    if key == "internal_api" and isinstance(value, list):
+        return bool(value) and all(isinstance(url, str) for url in value)
+    return isinstance(value, str) and bool(value) or (value is None and key not in ("state", "internal_api",
+                                                                                    "mp_http"))
 
 
 def resolve(instance: str | None, state: Path | None = None, inventory: Path | None = None) -> list[Address]:

@@ -58,6 +58,8 @@ def read_json(path: str, shape_hint: str) -> Any:
         return json.loads(read_text(path))
     except json.JSONDecodeError as error:
         raise KvctlError(f"{path} is not valid JSON (line {error.lineno}): {error.msg}", hint=shape_hint) from None
+    except ValueError as error:  # past JSONDecodeError: an integer of more than 4300 digits
+        raise KvctlError(f"{path} is not usable JSON: {str(error).split(';')[0]}", hint=shape_hint) from None
     except RecursionError:
         raise KvctlError(f"{path} is not valid JSON: it nests deeper than Python parses", hint=shape_hint) from None
 
