@@ -142,7 +142,7 @@ def from_redis(store: Store, limit: int, model: str | None = None) -> TierListin
 def scan_chunks(redis, layout: str, model: str | None, limit: int) -> tuple[list[str], int]:
     """(the first `limit` chunk keys in Redis, of `model` or all; how many there are). A glob also
     matches foreign keys that look alike: only names that parse as chunk keys of `model` count."""
-    parse = parse_object_key if layout == "mp-resp" else parse_key
+    parse = native_object_key if layout == "mp-resp" else parse_key
     suffix = REDIS_SUFFIXES[layout]
     keys = []
     for name in redis.scan(redis_pattern(layout, model), EVERYTHING):
@@ -150,6 +150,13 @@ def scan_chunks(redis, layout: str, model: str | None, limit: int) -> tuple[list
         if _of_model(parse(key), model):
             keys.append(key)
     return keys[:limit], len(keys)
+
+
+def native_object_key(name: str) -> ObjectKey | None:
+    """The object key a resp adapter's Redis name spells, in that adapter's own spelling only: a name
+    spelled like an fs adapter file (`model@0x…@0@hash.data`) is someone else's key (None)."""
+    parsed = parse_object_key(name)
+    return parsed if parsed is not None and parsed.native_key() == name else None
 
 
 def redis_pattern(layout: str, model: str | None) -> str:
