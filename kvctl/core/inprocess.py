@@ -203,15 +203,25 @@ def batched_writes(chunks: Iterable, write: Callable[[Any, bytes], dict[str, Any
                    destination: Callable[[Any], Any] = lambda _chunk: None) -> dict[str, dict[str, int]]:
     """Send StoredChunks to write(destination, body of frames), at most WRITE_BATCH_BYTES of chunk bytes
     a body per destination (a larger chunk goes alone); the answers' counts summed: {"written",
-    "already", "dropped"}, each {tier: chunks}."""
+    "already", "dropped"}, each {tier: chunks}. A failed request's error also says what the requests
+    before it wrote, which stays written."""
     from kvctl_plugins.wire import frame_header
+
+    from kvctl.core.errors import KvctlError
 
     totals: dict[str, dict[str, int]] = {"written": {}, "already": {}, "dropped": {}}
     pending: dict[Any, tuple[list, int]] = {}  # destination -> (frame parts, chunk bytes)
 
     def send(to) -> None:
         parts, _size = pending.pop(to)
-        answer = write(to, b"".join(parts))
+        try:
+            answer = write(to, b"".join(parts))
+        except KvctlError as error:
+            if any(totals["written"].values()):
+                written = ", ".join(f"{count} chunks to {tier}" for tier, count in totals["written"].items())
+                error.message += f"; the requests before it wrote {written}, which stay written"
+                error.args = (error.message,)
+            raise
         for field, counts in totals.items():
             for name, count in answer.get(field, {}).items():
                 counts[name] = counts.get(name, 0) + count

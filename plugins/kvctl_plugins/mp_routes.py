@@ -25,11 +25,14 @@ Chunk bytes (snapshots), as bodies of frames (wire.py) under the resp adapter's 
                        object group it has, exactly that group's object size); then each object goes
                        through StorageManager.reserve_write / finish_write_by_owner like a store, so
                        L1's accounting, eviction, L2 store policy and coordinator events see a write.
+                       A failure while storing answers 500 with the same counts for the objects before
+                       it (admitted objects stay: the L2 store policy may already be copying them).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 import time
 from typing import Any
@@ -39,12 +42,13 @@ from fastapi.responses import JSONResponse, Response
 
 from kvctl_plugins import protocol
 from kvctl_plugins.protocol import BadRequest
-from kvctl_plugins.wire import MP_HASH_BYTES, PREFIX
+from kvctl_plugins.wire import MP_HASH_BYTES, PREFIX, error_body
 
 HTTP_SERVER_MODULE = "lmcache.v1.multiprocess.http_server"
 router = APIRouter(prefix=PREFIX)
 ROOM_WAIT_S = 5.0  # how long a write waits for L1's eviction controller to make room (it runs in the background)
 ROOM_POLL_S = 0.25  # between reservations while L1 is full
+logger = logging.getLogger(__name__)
 
 
 def build_server_modules(_build_context) -> None:
@@ -235,9 +239,22 @@ def write_chunks(engine, raw: bytes, tiers: str | None) -> dict[str, Any]:
     managers = _l1_managers(storage)
     counts = {"written": 0, "already": 0, "dropped": 0}
     deadline = time.monotonic() + ROOM_WAIT_S
-    for key, data, layout in checked:
-        outcome = "already" if _resident(managers, key) else _store(storage, managers, key, data, layout, deadline)
-        counts[outcome] += 1
+    try:
+        for key, data, layout in checked:
+            outcome = "already" if _resident(managers, key) else _store(storage, managers, key, data, layout, deadline)
+            counts[outcome] += 1
+    except Exception as failure:  # noqa: BLE001 - answered with what was stored before it
+        done = sum(counts.values())
+        logger.exception("kvctl chunks/write failed after %s of %s objects", done, len(checked))
+        message = (f"{type(failure).__name__}: {failure} (see the server's log), storing object {done + 1} of "
+                   f"{len(checked)}; before it {counts['written']} were written into L1 and stay there, "
+                   f"{counts['already']} were there already, {counts['dropped']} dropped")
+        return JSONResponse({**error_body("internal_error", message), **_per_tier(counts)}, status_code=500)
+    return _per_tier(counts)
+
+
+def _per_tier(counts: dict[str, int]) -> dict[str, dict[str, int]]:
+    """The in-process write route's answer shape: {"written", "already", "dropped"}: {tier: objects}."""
     return {outcome: {"cpu": count} for outcome, count in counts.items()}
 
 
