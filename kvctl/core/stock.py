@@ -19,7 +19,7 @@ from typing import Any
 
 from kvctl.core.errors import ExitCode
 from kvctl.core.instance import EvictionPlan, Selection, StoredChunk, Unsupported
-from kvctl.core.offline import OfflineInstance
+from kvctl.core.offline import OfflineInstance, RunningEngine
 from kvctl.core.target import Deployment, read_deployment
 
 ROUTES_HINT = ("load kvctl's plugins into it: \"kv_connector_module_path\": \"kvctl_plugins.vllm_connector\" in "
@@ -133,10 +133,10 @@ class StockEngineInstance(OfflineInstance):
 
         return remove
 
-    def running_engine(self) -> str | None:
-        return self.worker0
+    def running_engine(self, model: str | None = None) -> RunningEngine:
+        return RunningEngine(self.worker0, "of this configuration", self.worker0)
 
-    def _refuse_if_running(self, tiers: Sequence[str]) -> None:
+    def _refuse_if_running(self, tiers: Sequence[str], model: str | None = None) -> None:
         """The engine that runs is this one, and it has no route to evict through: its stores are
         evicted directly (plan_eviction says what that leaves in its disk index)."""
 

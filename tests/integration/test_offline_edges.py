@@ -15,9 +15,13 @@ import pytest
 from kvctl.core.keys import KeyRecipe, disk_file_name, inprocess_keys
 from tests.helpers import (
     KVCTL,
+    free_port,
     http_json,
     run_cli,
+    run_kvctl,
+    standalone_argv,
     standalone_engine,
+    start_process,
     stop_process,
     wait_until,
 )
@@ -171,3 +175,23 @@ def test_a_kvctl_serve_sharing_the_disk_directory_or_redis_for_the_model_refuses
     assert refused.code == 2 and "using the same Redis" in refused.stderr, refused.stderr
     other_model = run_cli("evict", "--config", same_redis, "--all", "--model", "other", "--dry-run")
     assert other_model.code == 0, other_model.stderr  # another model's chunks are not in its way
+
+
+@pytest.mark.slow
+def test_a_stock_engine_still_plans_the_eviction_of_its_own_disk_tier(tmp_path):
+    """A stock engine (no kvctl routes) is evicted through its stores directly: the engine that runs is itself."""
+    port_start = free_port()
+    init = run_kvctl("config", "init", "--out", tmp_path / "cfg", "--tier", "cpu:0.05", "--tier",
+                     f"disk:{tmp_path}/disk:1", "--internal-api-port-start", port_start)
+    assert init.code == 0, init.stderr
+    proc = start_process(standalone_argv(tmp_path / "cfg", plugins=False), tmp_path / "engine.log")
+    url = f"http://127.0.0.1:{port_start + 1}"
+    try:
+        wait_until(lambda: http_json("GET", f"{url}/lmc_version"), 120, "stock engine", proc, tmp_path / "engine.log")
+        http_json("POST", f"{url}/cache/store?tokens_mock=0,{2 * CHUNK}")
+        wait_until(lambda: len(chunk_files(tmp_path / "disk")) == 2, 30, "chunks on disk")
+        planned = run_cli("evict", "--instance", url, "--tier", "disk", "--all", "--model", "tiny", "--dry-run",
+                          "--format", "json")
+        assert planned.code == 0 and json.loads(planned.stdout)["removed"] == {"disk": 2}, planned.stderr
+    finally:
+        stop_process(proc, grace=5)
