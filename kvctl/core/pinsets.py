@@ -270,8 +270,8 @@ def _ledger_plan(pin_set: PinSet, instance, model: str | None) -> Application:
     coordinator still holds it (a lost pin is pinned again)."""
     from kvctl.core.pin_ledger import Ledger
 
+    pinned = {pin.key for pin in instance.pins(model).pins}  # first: where pins cannot live, this refuses
     ledger = Ledger(instance.pin_scope(), pin_set.name)
-    pinned = {pin.key for pin in instance.pins(model).pins}
     steps: list[Step] = []
     wanted: set[str] = set()
     for entry in pin_set.entries:

@@ -291,3 +291,14 @@ def test_an_inventory_names_the_pin_set_serve_applies(tmp_path):
     assert pin_set_file("b", inventory) is None and pin_set_file("nobody", inventory) is None
     with pytest.raises(KvctlError, match="pins is not a file name"):
         pin_set_file("c", inventory)
+
+
+def test_a_pin_set_for_a_configuration_directory_is_refused_in_one_line(tmp_path):
+    """A configuration directory holds no pins (they live in an engine): refused before any ledger is kept."""
+    from tests.helpers import run_cli
+
+    assert run_cli("config", "init", "--out", tmp_path / "cfg").code == 0
+    path = write_set(tmp_path, "name: system\npins:\n  - tokens_file: a.json\n")
+    result = run_cli("pin", "apply", path, "--config", tmp_path / "cfg")
+    assert result.code == 2 and "pins live in a running engine" in result.stderr, result.stderr
+    assert "unexpected" not in result.stderr and "hint:" in result.stderr
