@@ -481,7 +481,7 @@ _kvctl_complete() {
             "quota") words="--format --debug -q --quiet -h --help" ;;
             "quota ls") words="--instance --state --inventory --format --debug -q --quiet -h --help" ;;
             "quota get") words="--instance --state --inventory --format --debug -q --quiet -h --help" ;;
-            "quota set") words="--instance --state --inventory --format --debug -q --quiet -h --help" ;;
+            "quota set") words="--yes -y --instance --state --inventory --format --debug -q --quiet -h --help" ;;
             "quota rm") words="--yes -y --instance --state --inventory --format --debug -q --quiet -h --help" ;;
             "reconfigure") words="--format --debug -q --quiet -h --help" ;;
             "reconfigure status") words="--instance --state --inventory --format --debug -q --quiet -h --help" ;;

@@ -760,6 +760,7 @@ complete -c kvctl -n '__kvctl_at '\''quota get'\''' -l debug -d 'Show tracebacks
 complete -c kvctl -n '__kvctl_at '\''quota get'\''' -s q -l quiet -d 'Only data on stdout and errors on stderr.'
 complete -c kvctl -n '__kvctl_at '\''quota get'\''' -s h -l help -d 'Show help and exit.'
 complete -c kvctl -n '__kvctl_at '\''quota set'\''' -r -F
+complete -c kvctl -n '__kvctl_at '\''quota set'\''' -l yes -s y -d 'Do not ask (required when not on a terminal).'
 complete -c kvctl -n '__kvctl_at '\''quota set'\''' -l instance -x -a '(kvctl complete-values instances (commandline -ct))' -d 'A running instance: a '\''kvctl serve --name'\'' or inventory name, or a URL (worker 0'\''s internal API, or the lmcache server'\''s HTTP API).'
 complete -c kvctl -n '__kvctl_at '\''quota set'\''' -l state -r -F -d 'The state file of a '\''kvctl serve'\'' (default: the most recent one).'
 complete -c kvctl -n '__kvctl_at '\''quota set'\''' -l inventory -r -F -d 'A kvctl.yaml fleet inventory (default: $KVCTL_INVENTORY, ./kvctl.yaml, ~/.config/kvctl/kvctl.yaml).'
