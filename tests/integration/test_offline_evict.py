@@ -326,8 +326,6 @@ def test_the_cli_evicts_a_configuration_directory(inprocess):
     deployment = fresh(inprocess)
     keys = deployment.key_names()
     result = run_kvctl("evict", "--config", deployment.config, "--tier", "redis", "--yes", "--format", "json")
-    if result.code != 0 and "no kvctl serve state" in result.stderr:
-        pytest.skip("kvctl evict --config DIR is not wired to OfflineInstance yet")
     assert result.code == 0, result.stderr
     answer = json.loads(result.stdout)
     assert not answer["dry_run"] and answer["removed"] == {"redis": 6}
