@@ -6,7 +6,8 @@
   (disk_index.py);
 * chunk statistics that no longer make every lookup miss (chunk_statistics.py).
 
-`install()` applies them; it is idempotent. Entry points: `kvctl_plugins.vllm_connector`
+`install()` applies them, once it has checked that LMCache has every internal name they use
+(lmcache_names.py); it is idempotent. Entry points: `kvctl_plugins.vllm_connector`
 (vLLM's kv_connector_module_path, keeping the connector name LMCacheConnectorV1) and
 `python -m kvctl_plugins.standalone` (LMCache's standalone engine). The MP server's routes
 (mp_routes.py) load separately, through `lmcache server --server-module`. This package imports
@@ -23,8 +24,9 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    from kvctl_plugins import chunk_statistics, cpu_connector, disk_index, routes
+    from kvctl_plugins import chunk_statistics, cpu_connector, disk_index, lmcache_names, routes
 
+    lmcache_names.require(lmcache_names.IN_PROCESS)
     routes.install()
     cpu_connector.install()
     disk_index.install()

@@ -53,6 +53,9 @@ logger = logging.getLogger(__name__)
 
 def build_server_modules(_build_context) -> None:
     """LMCache's --server-module factory: mount the routes on the HTTP app that is starting."""
+    from kvctl_plugins import lmcache_names
+
+    lmcache_names.require(lmcache_names.MP_SERVER)
     from lmcache.logging import init_logger
 
     protocol.adopt_routes_token()  # out of the environment before the server answers GET /env
