@@ -9,7 +9,8 @@ import json
 import httpx
 import pytest
 
-from tests.helpers import standalone_engine
+from tests.helpers import free_port, standalone_argv, standalone_engine, start_process, stop_process, wait_until
+from tests.integration.test_route_token_exposure import OUTER, ask, engine_config, kvctl_in, private_network
 
 pytestmark = pytest.mark.slow
 
@@ -46,3 +47,30 @@ def test_the_routes_send_no_cors_headers_and_refuse_multipart_bodies(engine):
                       timeout=10)
     assert form.status_code == 415 and form.json()["error"] == "unsupported_media_type"
     assert "multipart/form-data" in form.json()["message"]
+
+
+def test_beyond_loopback_without_a_token_the_routes_answer_no_one(tmp_path):
+    """An engine with the plugins, bound to 0.0.0.0 and started without a routes token: reached at an
+    address beyond loopback, kvctl's routes and LMCache's own that leak or act refuse everyone, a bearer
+    of any token too, with a message that says how to set one; on loopback they still answer."""
+    port_start = free_port()
+    engine_config(tmp_path / "cfg", port_start)  # writes a token to env.sh, which this engine is not given
+    no_token = {"KVCTL_ROUTES_TOKEN": "", "KVCTL_ROUTES_TOKEN_FILE": ""}
+    with private_network() as netns:
+        log = tmp_path / "engine.log"
+        proc = start_process([*netns, *standalone_argv(tmp_path / "cfg")], log, no_token)
+        outer, inner = f"http://{OUTER}:{port_start + 1}", f"http://127.0.0.1:{port_start + 1}"
+        try:
+            wait_until(lambda: ask(netns, "GET", f"{outer}/lmc_version")["status"] == 200, 120, "engine", proc, log)
+            for method, path in (("GET", "/kvctl/v1/info"), ("POST", "/kvctl/v1/evict"), ("GET", "/env"),
+                                 ("DELETE", "/cache/clear")):
+                for token in ("", "any-token-at-all"):
+                    refused = ask(netns, method, outer + path, token)
+                    assert refused["status"] == 403, (path, refused)
+                    body = json.loads(refused["text"])
+                    assert body["error"] == "forbidden" and "KVCTL_ROUTES_TOKEN_FILE" in body["message"], body
+            assert ask(netns, "GET", f"{inner}/kvctl/v1/info")["status"] == 200
+            listed = kvctl_in(netns, "ls", "--instance", outer, "--format", "json", env=no_token)
+            assert listed.returncode == 4 and "hint:" in listed.stderr and "Traceback" not in listed.stderr
+        finally:
+            stop_process(proc, grace=5)
