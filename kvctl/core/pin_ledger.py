@@ -38,7 +38,8 @@ class Ledger:
     def locked(self) -> Iterator[Ledger]:
         """Hold the ledger's lock (another kvctl applying the set waits), with the entries read again
         under it; record and forget are called inside."""
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.path.parent.parent.mkdir(parents=True, exist_ok=True, mode=0o700)  # pin-ledgers/ too, not umask's
+        self.path.parent.mkdir(exist_ok=True, mode=0o700)
         fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
