@@ -51,7 +51,8 @@ def health_frame(instance, state, inventory, timeout) -> tuple[dict[str, Any], l
 
 def stats(ctx: typer.Context, instance: FleetInstance = None, state: StateOption = None,
           inventory: InventoryOption = None, timeout: TimeoutOption = 10.0) -> None:
-    """Hit rates, usage vs capacity per tier, evictions and pins, from the servers' /metrics.
+    """Hit rates, usage vs capacity per tier, evictions and pins: LMCache's counters as of now (from /metrics,
+    up to 10 s old, on an engine without kvctl's routes), the rest from the servers' /metrics.
 
     Hit rates: LMCache's lookup vs retrieve hits, vLLM's prefix cache, and LMCache's share of the hits.
     """
@@ -84,9 +85,9 @@ def _stats_tables(report: dict[str, Any]) -> list:
             part = lmcache[kind]
             rows.append((f"LMCache {kind} hit rate", _percent(part["hit_rate"]),
                          f"{_number(part['hit_tokens'])} of {_number(part['tokens'])} tokens, "
-                         f"{_number(part['requests'])} requests"))
+                         f"{_number(part['requests'])} requests{_age(part)}"))
         rows.append(("LMCache stored tokens", _number(lmcache["store"]["tokens"]),
-                     f"{_number(lmcache['store']['requests'])} store requests"))
+                     f"{_number(lmcache['store']['requests'])} store requests{_age(lmcache['store'])}"))
         evictions = lmcache["evictions"]
         rows.append(("CPU evictions", _number(evictions["cpu"]), f"{_number(evictions['cpu_failed'])} failed"))
         pins = lmcache["pins"]
@@ -164,6 +165,11 @@ def side_by_side(*calls: Callable[[], Any]) -> list[Any]:
     if errors:
         raise errors[0]
     return results
+
+
+def _age(part: dict[str, Any]) -> str:
+    """How old a group of counters may be, when they are not read as of now."""
+    return f" (/metrics: up to {part['max_age_s']} s old)" if part.get("source") == "metrics" else ""
 
 
 def _number(value) -> str:

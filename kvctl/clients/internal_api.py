@@ -92,6 +92,11 @@ class InternalAPIClient(HTTPClient):
     def info(self) -> dict[str, Any]:
         return self.request("GET", f"{PREFIX}/info")
 
+    def live_counters(self) -> dict[str, int]:
+        """LMCache's counters (named as /metrics names them, without `lmcache:`) as of now: /metrics
+        lag them by up to LMCache's export interval."""
+        return self.request("GET", f"{PREFIX}/stats")["counters"]
+
     def lookup(self, tokens: list[int]) -> dict[str, Any]:
         return self.request("POST", f"{PREFIX}/lookup", {"tokens": tokens})
 

@@ -2,7 +2,9 @@
 and what its servers' Prometheus metrics say about hits, usage, evictions and pins.
 
 LMCache exports `lmcache:*` metrics from each process that runs an engine (worker r's internal API
-server); vLLM exports `vllm:*` metrics on its OpenAI server. Both are parsed with prometheus_client.
+server), its counters only every METRICS_EXPORT_S: kvctl's stats route reads them as of now, and /metrics
+are the fallback, marked as such. vLLM exports `vllm:*` metrics on its OpenAI server. Both are parsed
+with prometheus_client.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 from kvctl.core.errors import ExitCode, KvctlError, RoutesAbsent, UnreachableError
 
 HEALTH_TIMEOUT_S = 5.0
+METRICS_EXPORT_S = 10  # LMCache's stats logger folds its counters into /metrics this often (0.5.6: fixed)
 
 
 @dataclass
@@ -123,11 +126,16 @@ def merge_samples(texts: list[str]) -> Samples:
     return merged
 
 
-def lmcache_stats(samples: Samples, info: dict[str, Any] | None) -> dict[str, Any]:
-    """Hit rates (lookup vs retrieve), usage vs capacity per tier, evictions and pins of an engine."""
+def lmcache_stats(samples: Samples, info: dict[str, Any] | None, live: dict[str, int] | None = None) -> dict[str, Any]:
+    """Hit rates (lookup vs retrieve), usage vs capacity per tier, evictions and pins of an engine. The
+    counters come from `live` (kvctl's stats route: as of now) when given, else from /metrics, which can
+    miss the last METRICS_EXPORT_S of traffic; each group of counters says which (source, max_age_s)."""
     m = lambda name: metric(samples, f"lmcache:{name}")  # noqa: E731
-    lookup_tokens, lookup_hits = m("num_lookup_tokens"), m("num_lookup_hits")
-    requested, hit = m("num_requested_tokens"), m("num_hit_tokens")
+    c = m if live is None else live.get
+    origin = ({"source": "metrics", "max_age_s": METRICS_EXPORT_S} if live is None
+              else {"source": "live", "max_age_s": 0})
+    lookup_tokens, lookup_hits = c("num_lookup_tokens"), c("num_lookup_hits")
+    requested, hit = c("num_requested_tokens"), c("num_hit_tokens")
     tiers = []
     usage_metric = {"cpu": "local_cache_usage", "disk": "local_storage_usage", "redis": "remote_cache_usage"}
     for entry in (info or {}).get("tiers", []):
@@ -136,15 +144,16 @@ def lmcache_stats(samples: Samples, info: dict[str, Any] | None) -> dict[str, An
         tiers.append({"tier": entry["tier"], "chunks": entry.get("keys"), "used_bytes": used,
                       "capacity_bytes": capacity, "usage": ratio(used, capacity)})
     return {
-        "lookup": {"requests": m("num_lookup_requests"), "tokens": lookup_tokens, "hit_tokens": lookup_hits,
-                   "hit_rate": ratio(lookup_hits, lookup_tokens)},
-        "retrieve": {"requests": m("num_retrieve_requests"), "tokens": requested, "hit_tokens": hit,
-                     "hit_rate": ratio(hit, requested)},
-        "store": {"requests": m("num_store_requests"), "tokens": m("num_stored_tokens")},
+        "lookup": {"requests": c("num_lookup_requests"), "tokens": lookup_tokens, "hit_tokens": lookup_hits,
+                   "hit_rate": ratio(lookup_hits, lookup_tokens), **origin},
+        "retrieve": {"requests": c("num_retrieve_requests"), "tokens": requested, "hit_tokens": hit,
+                     "hit_rate": ratio(hit, requested), **origin},
+        "store": {"requests": c("num_store_requests"), "tokens": c("num_stored_tokens"), **origin},
         "tiers": tiers,
-        "evictions": {"cpu": m("local_cpu_evict_count"), "cpu_failed": m("local_cpu_evict_failed_count")},
-        "remote": {"read_requests": m("num_remote_read_requests"), "read_bytes": m("num_remote_read_bytes"),
-                   "write_requests": m("num_remote_write_requests"), "write_bytes": m("num_remote_write_bytes")},
+        "evictions": {"cpu": c("local_cpu_evict_count"), "cpu_failed": c("local_cpu_evict_failed_count"), **origin},
+        "remote": {"read_requests": c("num_remote_read_requests"), "read_bytes": c("num_remote_read_bytes"),
+                   "write_requests": c("num_remote_write_requests"), "write_bytes": c("num_remote_write_bytes"),
+                   **origin},
         "pins": {"kvctl": (info or {}).get("pins"), "pinned_objects": m("pinned_memory_objs_count"),
                  "pin_monitor": m("pin_monitor_pinned_objects_count"), "forced_unpins": m("forced_unpin_count")},
         "healthy": m("lmcache_is_healthy"),
@@ -289,7 +298,7 @@ def _stores(instance, shared_redis: str | None) -> list:
 
 
 STOCK_FIGURES = ("kvctl's routes are absent: {what} from LMCache's own {source}; its /metrics are exported "
-                 "every few seconds, so they can lag traffic that just happened")
+                 f"every {METRICS_EXPORT_S} s, so they can miss traffic that just happened")
 
 
 def _engine_tiers(worker, notes: list[str]) -> dict[str, Any]:
@@ -322,6 +331,24 @@ def _mp_l1(server, notes: list[str]) -> dict[str, Any]:
     return {"l1": managers}
 
 
+def _live_counters(worker) -> dict[str, int] | None:
+    """The engine's counters as of now from kvctl's stats route (None: an engine without it)."""
+    try:
+        return worker.live_counters()
+    except RoutesAbsent:
+        return None
+
+
+def _sum_live(counters: list[dict[str, int] | None], notes: list[str]) -> dict[str, int] | None:
+    """The live counters of every worker that answered, summed; /metrics' (None) unless all have them."""
+    if counters and None not in counters:
+        return {name: sum(each.get(name, 0) for each in counters) for name in counters[0]}
+    if counters:
+        notes.append(STOCK_FIGURES.format(what="lookup, retrieve, store, eviction and remote counts",
+                                          source="/metrics"))
+    return None
+
+
 def _redis_tier_usage(worker, info: dict[str, Any], errors: dict[str, str]) -> dict[str, Any] | None:
     """The usage of a live engine's Redis tier, read from Redis itself; when Redis does not answer,
     `errors["redis"]` says so (LMCache's own remote metrics would go on showing old figures)."""
@@ -349,11 +376,12 @@ def instance_stats(instance) -> dict[str, Any]:
     instance = identify(instance)
     errors: dict[str, str] = {}
     notes: list[str] = []
-    texts, info, redis = [], None, None
+    texts, counters, info, redis = [], [], None, None
     for index, url in enumerate(instance.internal_api[1:] or instance.internal_api):
         try:
             with InternalAPIClient(url) as worker:
                 texts.append(worker.metrics())
+                counters.append(_live_counters(worker))
                 if index == 0:
                     info = _engine_tiers(worker, notes)
                     redis = _redis_tier_usage(worker, info, errors)
@@ -361,7 +389,7 @@ def instance_stats(instance) -> dict[str, Any]:
             errors[f"internal_api_worker_{index}"] = error.message
     stats: dict[str, Any] = {"instance": instance.name, "mode": instance.mode}
     if texts:
-        stats["lmcache"] = lmcache_stats(merge_samples(texts), info)
+        stats["lmcache"] = lmcache_stats(merge_samples(texts), info, _sum_live(counters, notes))
         for tier in stats["lmcache"]["tiers"]:
             if tier["tier"] == "redis":
                 tier.update(redis or {"chunks": None, "used_bytes": None})

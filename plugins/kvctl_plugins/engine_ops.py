@@ -463,3 +463,51 @@ def prefetch(engine, tokens: list[int]) -> dict[str, Any]:
         loaded += 1
     return {"loaded": loaded, "already_in_cpu": already, "missing": missing}
 
+
+# -- live counters ------------------------------------------------------------------------------------
+
+# LMCache's stats monitor counts into interval_* fields that its stats logger folds into /metrics every
+# 10 s, then zeroes: until then /metrics miss what just happened. These are those counters, by the names
+# /metrics gives them (lmcache:<name>); the monitor's field is interval_<name without num_>.
+MONITOR_COUNTERS = ("num_lookup_requests", "num_lookup_tokens", "num_lookup_hits", "num_retrieve_requests",
+                    "num_requested_tokens", "num_hit_tokens", "num_store_requests", "num_stored_tokens",
+                    "num_vllm_hit_tokens", "num_prompt_tokens", "num_remote_read_requests", "num_remote_read_bytes",
+                    "num_remote_write_requests", "num_remote_write_bytes", "local_cpu_evict_count",
+                    "local_cpu_evict_keys_count", "local_cpu_evict_failed_count", "forced_unpin_count",
+                    "lookup_0_hit_requests")
+
+
+def _interval_field(counter: str) -> str:
+    return "interval_" + counter.removeprefix("num_")
+
+
+def keep_monitor_totals() -> None:
+    """Have LMCache's stats monitor add each interval to totals of kvctl's before it zeroes it (its _clear
+    runs under the monitor's lock), so live_counters can answer what /metrics will say once exported."""
+    from lmcache.observability import LMCStatsMonitor
+
+    original = LMCStatsMonitor._clear
+    if getattr(original, "kvctl_wrapped", False):
+        return
+
+    def _clear(self) -> None:
+        totals = self.__dict__.setdefault("kvctl_totals", dict.fromkeys(MONITOR_COUNTERS, 0))
+        for counter in MONITOR_COUNTERS:
+            totals[counter] += int(getattr(self, _interval_field(counter), 0))  # some are 0-d tensors
+        original(self)
+
+    _clear.kvctl_wrapped = True
+    LMCStatsMonitor._clear = _clear
+
+
+def live_counters() -> dict[str, int]:
+    """This process's LMCache counters since its engine started, as of now: exported totals plus the
+    interval not yet exported, read under the monitor's own lock."""
+    from lmcache.observability import LMCStatsMonitor
+    from lmcache.utils import _shared_observability_lock
+
+    monitor = LMCStatsMonitor.GetOrCreate()
+    with _shared_observability_lock:
+        totals = getattr(monitor, "kvctl_totals", {})
+        return {counter: int(totals.get(counter, 0) + getattr(monitor, _interval_field(counter), 0))
+                for counter in MONITOR_COUNTERS}

@@ -10,6 +10,9 @@ Chunk bytes (snapshots), as bodies of frames (wire.py), application/octet-stream
                        stops there and NEXT_HEADER gives the index into "keys" to ask again from
     POST chunks/write?tiers=cpu,disk   frames -> {"written", "already", "dropped"}: {tier: chunks}
 A process serves at most MAX_CHUNK_TRANSFERS of these at once (ChunkTransfers); one more is a 503 BUSY.
+
+    GET stats   -> {"counters": {name: n}}: LMCache's counters (lookups, retrieves, stores...) as of now,
+                   named as /metrics names them; /metrics lag them by up to LMCache's 10 s export interval
 """
 
 from __future__ import annotations
@@ -52,6 +55,11 @@ async def info(request: Request) -> JSONResponse:
     # routes_guard: what doctor reads to tell a guarded exposed port from an open one
     return await _serve(request, lambda engine, _: {**engine_ops.info(engine, PINS), "routes_guard": {
         "token": protocol.adopt_routes_token() is not None, "lmcache_routes": True}})
+
+
+@router.get("/stats")
+async def stats(request: Request) -> JSONResponse:
+    return await _serve(request, lambda engine, _: {"counters": engine_ops.live_counters()})
 
 
 @router.post("/lookup")
@@ -172,6 +180,7 @@ def install() -> None:
     from lmcache.v1.internal_api_server.api_registry import APIRegistry
 
     protocol.adopt_routes_token()
+    engine_ops.keep_monitor_totals()
     original = APIRegistry.register_all_apis
     if getattr(original, "kvctl_wrapped", False):
         return

@@ -70,6 +70,8 @@ def test_stats_come_from_lmcache_s_own_metrics_and_conf(stock_engine):
     assert set(tiers) == {"cpu", "disk", "redis"} and tiers["disk"]["capacity_bytes"] == 1024**3
     assert tiers["redis"]["chunks"] == 4  # read from Redis itself
     assert any("kvctl's routes are absent" in note for note in report["notes"])
+    counts = report["lmcache"]["store"]  # LMCache's counters can only come from its lagging /metrics: said so
+    assert (counts["source"], counts["max_age_s"]) == ("metrics", 10)
 
 
 @pytest.mark.parametrize("args, key, value", [
