@@ -161,8 +161,7 @@ class DirectoryStore:
                     present.add(name)
                     path = os.path.join(directory, name)
                     partial = os.path.join(directory, partial_name(name))
-                    staged.append((partial, path))
-                    _write_new(path, partial, chunk.data)
+                    _write_new(path, partial, chunk.data, staged)
                 for partial, path in staged:
                     _renamed(partial, path)
             except BaseException:
@@ -624,10 +623,12 @@ def _read_regular(path: str) -> bytes | None:
         return file.read() if stat.S_ISREG(os.fstat(fd).st_mode) else None
 
 
-def _write_new(path: str, partial: str, data: bytes | memoryview) -> None:
-    """Write `path`'s bytes to `partial`, created afresh (never through a link)."""
+def _write_new(path: str, partial: str, data: bytes | memoryview, staged: list[tuple[str, str]]) -> None:
+    """Write `path`'s bytes to `partial`, created afresh (never through a link), staged once created: a
+    file already at that name is not this load's to remove when it fails."""
     try:
         fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        staged.append((partial, path))
         with os.fdopen(fd, "wb") as file:
             file.write(data)
     except OSError as error:

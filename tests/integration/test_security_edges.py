@@ -5,12 +5,16 @@ namespace), a real `lmcache server`, and real kvctl processes."""
 from __future__ import annotations
 
 import json
+import os
 
 import httpx
 import pytest
 
+from kvctl.core import offline
 from tests.helpers import free_port, standalone_argv, standalone_engine, start_process, stop_process, wait_until
+from tests.integration.test_offline_edges import PARTIAL, chunk_files, warm_snapshot
 from tests.integration.test_route_token_exposure import OUTER, ask, engine_config, kvctl_in, private_network
+from tests.integration.test_snapshot import OFFLINE, answer, configuration
 
 pytestmark = pytest.mark.slow
 
@@ -74,3 +78,31 @@ def test_beyond_loopback_without_a_token_the_routes_answer_no_one(tmp_path):
             assert listed.returncode == 4 and "hint:" in listed.stderr and "Traceback" not in listed.stderr
         finally:
             stop_process(proc, grace=5)
+
+
+def test_an_offline_load_never_writes_through_a_planted_symlink(tmp_path, monkeypatch):
+    """A disk tier directory another user can write: a symlink named like a chunk file is left as it
+    is (never written through), and one at the partial name a load stages under (fresh each time;
+    here guessed) makes the load stop with nothing written, its target untouched."""
+    monkeypatch.setenv("KVCTL_CACHE_DIR", str(tmp_path / "kvctl-cache"))  # no kvctl serve state of this user
+    snap, files = warm_snapshot(tmp_path / "source", 3, 1024)
+    config, _ = configuration(tmp_path / "target", "cpu:0.1", f"disk:{tmp_path}/target/disk:1")
+    disk, victim = tmp_path / "target" / "disk", tmp_path / "victim"
+    disk.mkdir()
+    victim.write_bytes(b"the victim's own bytes")
+    first, *others = sorted(files)
+    (disk / first).symlink_to(victim)
+    loaded = answer("snapshot", "load", snap, "--config", config, *OFFLINE)
+    assert loaded["written"] == {"disk": 2} and (disk / first).is_symlink()
+    assert chunk_files(disk) == {first: b"the victim's own bytes", **{name: files[name] for name in others}}
+    assert victim.read_bytes() == b"the victim's own bytes"
+
+    for name in files:
+        (disk / name).unlink()
+    guessed = disk / f".{first}.guessed{PARTIAL}"
+    guessed.symlink_to(victim)
+    monkeypatch.setattr(offline, "partial_name", lambda name: f".{name}.guessed{PARTIAL}")
+    refused = answer("snapshot", "load", snap, "--config", config, *OFFLINE, code=1)
+    assert "cannot write" in refused.stderr and "hint:" in refused.stderr and "Traceback" not in refused.stderr
+    assert victim.read_bytes() == b"the victim's own bytes" and chunk_files(disk) == {}
+    assert os.listdir(disk) == [guessed.name] and guessed.is_symlink()
