@@ -6,19 +6,45 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import threading
+from http.server import ThreadingHTTPServer
 
 import httpx
 import pytest
+import yaml
 
 from kvctl.core import offline
-from tests.helpers import free_port, standalone_argv, standalone_engine, start_process, stop_process, wait_until
+from kvctl.core.config_init import mp_server_argv
+from kvctl.core.launch import MP_ROUTES_ARGV
+from tests.helpers import (
+    Answers200,
+    free_port,
+    http_json,
+    run_cli,
+    run_kvctl,
+    standalone_argv,
+    standalone_engine,
+    start_process,
+    stop_process,
+    wait_until,
+)
+from tests.integration.test_mp_l1_lookup import CHUNK as MP_CHUNK
+from tests.integration.test_mp_l1_lookup import MODEL as MP_MODEL
 from tests.integration.test_offline_edges import PARTIAL, chunk_files, warm_snapshot
 from tests.integration.test_route_token_exposure import OUTER, ask, engine_config, kvctl_in, private_network
 from tests.integration.test_snapshot import OFFLINE, answer, configuration
 
 pytestmark = pytest.mark.slow
 
+TOKEN = "security-edges-token-0123456789abcdef"
 REBOUND = {"Host": "attacker.example"}  # what a page whose DNS name was rebound to 127.0.0.1 sends
+
+
+class AnswersEvery200(Answers200):
+    """Answers200 for a coordinator: its unpins are DELETEs."""
+
+    do_DELETE = Answers200.do_GET  # noqa: N815
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +132,36 @@ def test_an_offline_load_never_writes_through_a_planted_symlink(tmp_path, monkey
     assert "cannot write" in refused.stderr and "hint:" in refused.stderr and "Traceback" not in refused.stderr
     assert victim.read_bytes() == b"the victim's own bytes" and chunk_files(disk) == {}
     assert os.listdir(disk) == [guessed.name] and guessed.is_symlink()
+
+
+def test_the_routes_token_never_goes_to_a_coordinator(tmp_path):
+    """A real MP server guarded by a token (kvctl's environment holds it, the URL is addressed alone) and a
+    stand-in coordinator that records what it is sent: the server answers kvctl (so the token was sent
+    to it), and none of the pin, unpin and pins requests the coordinator got carried an Authorization."""
+    coordinator = ThreadingHTTPServer(("127.0.0.1", free_port()), AnswersEvery200)
+    coordinator.requests, coordinator.authorizations = [], []
+    threading.Thread(target=coordinator.serve_forever, daemon=True).start()
+    port, http_port = free_port(), free_port()
+    init = run_cli("config", "init", "--mode", "mp", "--out", tmp_path / "cfg", "--tier", "cpu:0.05",
+                   "--mp-port", port, "--mp-http-port", http_port, "--model", MP_MODEL)
+    assert init.code == 0, init.stderr
+    values = yaml.safe_load((tmp_path / "cfg" / "lmcache.yaml").read_text())
+    log, http = tmp_path / "server.log", f"http://127.0.0.1:{http_port}"
+    server = start_process([sys.executable, "-m", "lmcache.v1.multiprocess.http_server", *mp_server_argv(values),
+                            *MP_ROUTES_ARGV], log, {"KVCTL_ROUTES_TOKEN": TOKEN})
+    try:
+        wait_until(lambda: http_json("GET", f"{http}/healthcheck"), 120, "lmcache server", server, log)
+        assert httpx.get(f"{http}/kvctl/v1/info", timeout=10).status_code == 401  # guarded by the token
+        prompt = tmp_path / "prompt.json"
+        prompt.write_text(json.dumps(list(range(3, 3 + 2 * MP_CHUNK))))
+        flags = ("--model", MP_MODEL, "--coordinator", f"http://127.0.0.1:{coordinator.server_port}",
+                 "--instance", http, "--format", "json")
+        env = {"KVCTL_ROUTES_TOKEN": TOKEN}
+        assert run_kvctl("ls", "--instance", http, "--format", "json", env=env).code == 0
+        for command in (("pin", "--tokens-file", prompt), ("unpin", "--tokens-file", prompt), ("pins",)):
+            run_kvctl(*command, *flags, env=env)  # the stand-in's "ok" is no coordinator's answer
+        methods = {line.split()[0] for line in coordinator.requests}
+        assert methods == {"POST", "DELETE", "GET"} and set(coordinator.authorizations) == {None}, coordinator.requests
+    finally:
+        coordinator.shutdown()
+        stop_process(server, grace=5)
