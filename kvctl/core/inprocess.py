@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import ExitStack, contextmanager
+from functools import cached_property
 from typing import Any
 
 from kvctl.core.instance import ChunkKeyed
@@ -20,34 +20,52 @@ READ_BATCH = 64  # keys per chunks/read request (an answer that would pass the r
 WRITE_BATCH_BYTES = 64 * 1024 * 1024  # chunk bytes per chunks/write request (a larger chunk goes alone)
 
 
-@contextmanager
-def open_workers(worker0: str) -> Iterator[tuple[list, dict[str, Any]]]:
-    """(a client per worker, rank order; worker 0's info)."""
-    from kvctl.clients.internal_api import InternalAPIClient
-    from kvctl.core.instances import worker_url
+class Workers:
+    """One engine's workers, each client opened once for all the operations of a command, with worker 0's
+    /kvctl/v1/info asked once (open_instance already has it)."""
 
-    with ExitStack() as stack:
-        first = stack.enter_context(InternalAPIClient(worker0))
-        info = first.info()
-        workers = [first] + [stack.enter_context(InternalAPIClient(worker_url(worker0, rank)))
-                             for rank in range(1, info["world_size"])]
-        yield workers, info
+    def __init__(self, worker0: str, info: dict[str, Any] | None = None, first=None) -> None:
+        self.worker0 = worker0
+        self._info = info
+        if first is not None:
+            self.first = first  # worker 0's client, as open_instance opened it
+
+    @cached_property
+    def first(self):
+        from kvctl.clients.internal_api import InternalAPIClient
+
+        return InternalAPIClient(self.worker0)
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """Worker 0's description of the engine (model, chunk size, tiers, world size)."""
+        if self._info is None:
+            self._info = self.first.info()
+        return self._info
+
+    @cached_property
+    def clients(self) -> list:
+        """A client per worker, in rank order (worker r answers on worker 0's port + r)."""
+        from kvctl.clients.internal_api import InternalAPIClient
+        from kvctl.core.instances import worker_url
+
+        return [self.first] + [InternalAPIClient(worker_url(self.worker0, rank))
+                               for rank in range(1, self.info["world_size"])]
 
 
-def pin(worker0: str, tokens: list[int], ttl_s: float | None, tiers: list[str] | None,
+def pin(engine: Workers, tokens: list[int], ttl_s: float | None, tiers: list[str] | None,
         pin_id: str | None = None, replace: bool = False) -> dict[str, Any]:
     """One pin, under one id (`pin_id`, default a random one), on every worker; `pinned` counts the
     chunks pinned on every rank. `replace`: a pin of that id gives way only once the new one holds."""
     pin_id = pin_id or uuid.uuid4().hex[:12]
-    with open_workers(worker0) as (workers, _info):
-        answers = []
-        try:
-            for worker in workers:
-                answers.append(worker.pin(tokens, ttl_s, tiers, pin_id=pin_id, replace=replace))
-        except BaseException:
-            for worker in workers[:len(answers)]:  # no half pin left behind
-                worker.unpin(pin_id=pin_id)
-            raise
+    answers = []
+    try:
+        for worker in engine.clients:
+            answers.append(worker.pin(tokens, ttl_s, tiers, pin_id=pin_id, replace=replace))
+    except BaseException:
+        for worker in engine.clients[:len(answers)]:  # no half pin left behind
+            worker.unpin(pin_id=pin_id)
+        raise
     return _merged_pin(answers)
 
 
@@ -57,36 +75,34 @@ def _merged_pin(answers: list[dict[str, Any]]) -> dict[str, Any]:
             "ranks": len(answers)}
 
 
-def unpin(worker0: str, pin_id: str | None = None, tokens: list[int] | None = None,
+def unpin(engine: Workers, pin_id: str | None = None, tokens: list[int] | None = None,
           everything: bool = False) -> dict[str, Any]:
     """Release pins on every worker; each pin is reported once."""
     from kvctl.core.errors import RejectedError
 
     released: dict[str, list[dict[str, Any]]] = {}
-    with open_workers(worker0) as (workers, _info):
-        for rank, worker in enumerate(workers):
-            try:
-                answer = worker.unpin(pin_id=pin_id, tokens=tokens, everything=everything)
-            except RejectedError:
-                if pin_id is None or rank == 0:
-                    raise
-                continue  # a worker that never held this pin (it was pinned before a restart of that rank)
-            for entry in answer["unpinned"]:
-                released.setdefault(entry["pin_id"], []).append(entry)
+    for rank, worker in enumerate(engine.clients):
+        try:
+            answer = worker.unpin(pin_id=pin_id, tokens=tokens, everything=everything)
+        except RejectedError:
+            if pin_id is None or rank == 0:
+                raise
+            continue  # a worker that never held this pin (it was pinned before a restart of that rank)
+        for entry in answer["unpinned"]:
+            released.setdefault(entry["pin_id"], []).append(entry)
     return {"unpinned": [_merged_pin(entries) for entries in released.values()]}
 
 
-def pins(worker0: str) -> list[dict[str, Any]]:
+def pins(engine: Workers) -> list[dict[str, Any]]:
     """kvctl's pins, each once, counting the chunks pinned on every rank."""
     held: dict[str, list[dict[str, Any]]] = {}
-    with open_workers(worker0) as (workers, _info):
-        for worker in workers:
-            for entry in worker.pins():
-                held.setdefault(entry["pin_id"], []).append(entry)
+    for worker in engine.clients:
+        for entry in worker.pins():
+            held.setdefault(entry["pin_id"], []).append(entry)
     return [_merged_pin(entries) for entries in held.values()]
 
 
-def evict(worker0: str, *, tiers: list[str] | None, everything: bool, dry_run: bool,
+def evict(engine: Workers, *, tiers: list[str] | None, everything: bool, dry_run: bool,
           **selection: Any) -> dict[str, Any]:
     """Evict through every worker's routes, except Redis: kvctl removes a prompt's, given or all chunks
     there itself, from what Redis holds (an engine's remote backend may answer for what it never
@@ -97,31 +113,31 @@ def evict(worker0: str, *, tiers: list[str] | None, everything: bool, dry_run: b
     from kvctl.core.listing import engine_redis_store, redis_tier_keys, stored_redis_keys, unlink_chunks
 
     result: dict[str, Any] = {"dry_run": dry_run, "removed": {}, "skipped_pinned": {}, "chunks": []}
-    with open_workers(worker0) as (workers, info):
-        present = [entry["tier"] for entry in info["tiers"]]
-        chosen = present if not tiers or "all" in tiers else tiers
-        direct = ["redis"] if "redis" in chosen and "redis" in present else []
-        routed = [tier for tier in chosen if tier not in direct]
-        keys = given_chunk_keys(selection.pop("keys")) if "keys" in selection else None
-        if routed:
-            for rank, worker in enumerate(workers):
-                if keys is None:
-                    _add(result, worker.evict(tiers=routed, everything=everything, dry_run=dry_run, **selection))
-                else:
-                    for batch in _batches(_of_rank(keys, rank)):
-                        _add(result, worker.evict(tiers=routed, keys=batch, dry_run=dry_run, **selection))
-        if direct:
-            store = engine_redis_store(workers[0])
-            if "tokens" in selection:  # each rank's keys for the prompt, from its engine
-                keys = [chunk["key"] for worker in workers for chunk in worker.lookup(selection["tokens"])["chunks"]]
-            candidates = redis_tier_keys(store, info["model"]) if keys is None else stored_redis_keys(store, keys)
-            going, kept = candidates, 0
-            if not selection.get("force") and candidates:
-                going, kept = _unpinned(workers, candidates)
-            if not dry_run:
-                going = unlink_chunks(store, going)
-            _add(result, {"removed": {"redis": len(going)}, "skipped_pinned": {"redis": kept},
-                          "chunks": [{"tier": "redis", "key": key} for key in going]})
+    workers, info = engine.clients, engine.info
+    present = [entry["tier"] for entry in info["tiers"]]
+    chosen = present if not tiers or "all" in tiers else tiers
+    direct = ["redis"] if "redis" in chosen and "redis" in present else []
+    routed = [tier for tier in chosen if tier not in direct]
+    keys = given_chunk_keys(selection.pop("keys")) if "keys" in selection else None
+    if routed:
+        for rank, worker in enumerate(workers):
+            if keys is None:
+                _add(result, worker.evict(tiers=routed, everything=everything, dry_run=dry_run, **selection))
+            else:
+                for batch in _batches(_of_rank(keys, rank)):
+                    _add(result, worker.evict(tiers=routed, keys=batch, dry_run=dry_run, **selection))
+    if direct:
+        store = engine_redis_store(workers[0])
+        if "tokens" in selection:  # each rank's keys for the prompt, from its engine
+            keys = [chunk["key"] for worker in workers for chunk in worker.lookup(selection["tokens"])["chunks"]]
+        candidates = redis_tier_keys(store, info["model"]) if keys is None else stored_redis_keys(store, keys)
+        going, kept = candidates, 0
+        if not selection.get("force") and candidates:
+            going, kept = _unpinned(workers, candidates)
+        if not dry_run:
+            going = unlink_chunks(store, going)
+        _add(result, {"removed": {"redis": len(going)}, "skipped_pinned": {"redis": kept},
+                      "chunks": [{"tier": "redis", "key": key} for key in going]})
     return result
 
 
@@ -155,13 +171,12 @@ def _batches(keys: list[str], size: int = ROUTE_BATCH) -> Iterator[list[str]]:
         yield keys[start:start + size]
 
 
-def read_chunks(worker0: str, keys: Iterable[str]) -> Iterator:
+def read_chunks(engine: Workers, keys: Iterable[str]) -> Iterator:
     """StoredChunks of those of `keys` the engine holds, each asked of the worker of its rank (a key of a
     rank beyond the world size is held by none)."""
     keys = given_chunk_keys(list(keys))
-    with open_workers(worker0) as (workers, _info):
-        for rank, worker in enumerate(workers):
-            yield from client_chunks(worker, _of_rank(keys, rank))
+    for rank, worker in enumerate(engine.clients):
+        yield from client_chunks(worker, _of_rank(keys, rank))
 
 
 def client_chunks(client, keys: list[str]) -> Iterator:
@@ -189,14 +204,14 @@ def _frames(body: bytes, url: str) -> list:
                           hint="check that kvctl and the engine's kvctl plugins are the same version") from None
 
 
-def write_chunks(worker0: str, chunks: Iterable, tier: str | None) -> dict[str, dict[str, int]]:
+def write_chunks(engine: Workers, chunks: Iterable, tier: str | None) -> dict[str, dict[str, int]]:
     """Store StoredChunks on `tier` (None: the engine's first, the CPU tier), each through the worker of
     its key's rank, at most WRITE_BATCH_BYTES of chunk bytes a request; the routes' counts summed over
     requests: {"written", "already", "dropped"}, each {tier: chunks}. A request the engine refuses
     raises, and writes nothing of its own; the requests before it stay written."""
-    with open_workers(worker0) as (workers, _info):
-        return batched_writes(chunks, lambda rank, body: workers[rank].write_chunks(body, [tier] if tier else None),
-                              lambda chunk: _rank_of(chunk.key, len(workers)))
+    workers = engine.clients
+    return batched_writes(chunks, lambda rank, body: workers[rank].write_chunks(body, [tier] if tier else None),
+                          lambda chunk: _rank_of(chunk.key, len(workers)))
 
 
 def batched_writes(chunks: Iterable, write: Callable[[Any, bytes], dict[str, Any]],
@@ -257,22 +272,17 @@ class InProcessInstance(ChunkKeyed):
     kind = "inprocess"
     pin_ids = True  # kvctl's pins carry ids: a pin set finds its own
 
-    def __init__(self, address, info: dict[str, Any] | None = None) -> None:
+    def __init__(self, address, info: dict[str, Any] | None = None, worker0_client=None) -> None:
         self.address = address
         self.name = address.name
         self.worker0 = address.worker
         self.notes: list[str] = []
-        self._info = info  # worker 0's /kvctl/v1/info, where open_instance already asked it
+        self.workers = Workers(address.worker, info, worker0_client)  # as open_instance asked and opened them
 
     @property
     def info(self) -> dict[str, Any]:
         """Worker 0's description of the engine (model, chunk size, tiers, world size), asked once."""
-        if self._info is None:
-            from kvctl.clients.internal_api import InternalAPIClient
-
-            with InternalAPIClient(self.worker0) as worker:
-                self._info = worker.info()
-        return self._info
+        return self.workers.info
 
     @property
     def vllm_url(self) -> str | None:
@@ -292,14 +302,12 @@ class InProcessInstance(ChunkKeyed):
         """Every worker's answer (the engine's own keys: `model` is its model)."""
         from kvctl.core.lookup import engine_lookup
 
-        return engine_lookup(self.worker0, self.info, tokens)
+        return engine_lookup(self.workers.clients, self.info, tokens)
 
     def list(self, tiers, model: str | None, limit: int):
-        from kvctl.clients.internal_api import InternalAPIClient
         from kvctl.core.listing import collect, engine_listers
 
-        with InternalAPIClient(self.worker0) as worker:
-            return collect(engine_listers(worker, self.info, tiers, limit, model))
+        return collect(engine_listers(self.workers.first, self.info, tiers, limit, model))
 
     def plan_eviction(self, selection):
         from kvctl.core.instance import EvictionPlan
@@ -312,32 +320,29 @@ class InProcessInstance(ChunkKeyed):
             chosen["keys"] = list(selection.keys)
 
         def remove(tier: str, keys: list[str]) -> EvictionPlan:
-            return EvictionPlan.from_dict(evict(self.worker0, dry_run=False, tiers=[tier], everything=False,
+            return EvictionPlan.from_dict(evict(self.workers, dry_run=False, tiers=[tier], everything=False,
                                                 keys=keys, force=selection.force))
 
-        return EvictionPlan.from_dict(evict(self.worker0, dry_run=True, **chosen), remove)
+        return EvictionPlan.from_dict(evict(self.workers, dry_run=True, **chosen), remove)
 
     def pin(self, tokens: list[int], ttl_s: float | None, tiers, model: str | None = None,
             pin_id: str | None = None, replace: bool = False):
-        return _typed_pin(pin(self.worker0, tokens, ttl_s, list(tiers) if tiers else None, pin_id, replace))
+        return _typed_pin(pin(self.workers, tokens, ttl_s, list(tiers) if tiers else None, pin_id, replace))
 
     def unpin(self, *, pin_id: str | None = None, tokens: list[int] | None = None, everything: bool = False,
               model: str | None = None):
         from kvctl.core.instance import Unpinned
 
-        released = unpin(self.worker0, pin_id=pin_id, tokens=tokens, everything=everything)
+        released = unpin(self.workers, pin_id=pin_id, tokens=tokens, everything=everything)
         return Unpinned([_typed_pin(entry) for entry in released["unpinned"]])
 
     def pins(self, model: str | None = None):
         from kvctl.core.instance import PinList
 
-        return PinList([_typed_pin(entry) for entry in pins(self.worker0)])
+        return PinList([_typed_pin(entry) for entry in pins(self.workers)])
 
     def prefetch(self, tokens: list[int]) -> dict[str, Any]:
-        from kvctl.clients.internal_api import InternalAPIClient
-
-        with InternalAPIClient(self.worker0) as worker:
-            return worker.prefetch(tokens)
+        return self.workers.first.prefetch(tokens)
 
     def key_facts(self, model: str | None = None):
         """What makes the engine's keys, as doctor reads them from worker 0 (its own model: `model` is it)."""
@@ -346,12 +351,12 @@ class InProcessInstance(ChunkKeyed):
         return read_running(self.address).facts
 
     def read_chunks(self, keys) -> Iterator:
-        return read_chunks(self.worker0, keys)
+        return read_chunks(self.workers, keys)
 
     def write_chunks(self, chunks, tier: str | None = None) -> dict[str, dict[str, int]]:
         """{"written", "already", "dropped"}, each {tier: chunks}: "dropped" what a tier did not take
         (no room on a full disk tier, a failed remote put)."""
-        return write_chunks(self.worker0, chunks, tier)
+        return write_chunks(self.workers, chunks, tier)
 
     def stages_writes(self, tier: str | None = None) -> bool:
         return False  # each request's chunks are stored as it is answered

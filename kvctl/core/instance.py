@@ -362,6 +362,17 @@ class Selector:
         return self.instance == "all" or is_controller(self.instance)
 
 
+def _refuse_another_configuration(selector: Selector, address) -> None:
+    """--config beside a running instance that knows its own configuration (a kvctl serve's state)
+    must name that configuration: acting on one engine with another's settings is a contradiction."""
+    if selector.config is None or not address.config_dir:
+        return
+    given, own = Path(selector.config).expanduser().resolve(), Path(address.config_dir).expanduser().resolve()
+    if given != own:
+        raise UsageError(f"--config names {given}, but {address.name} runs with {own}",
+                         hint="give that instance's own configuration, or leave --config out")
+
+
 def open_instance(selector: Selector, address=None) -> Instance:
     """The instance the flags name: a configuration directory alone is an OfflineInstance; a running
     one (an --instance name or URL, a state file, the most recent kvctl serve, or a fleet member's
@@ -371,7 +382,7 @@ def open_instance(selector: Selector, address=None) -> Instance:
     from kvctl.core import instances
 
     if address is None:
-        if selector.config is not None and selector.instance is None:
+        if selector.config is not None and selector.instance is None and selector.state is None:
             from kvctl.core.offline import OfflineInstance
 
             return OfflineInstance(selector.config, selector.model, selector.kv_dtype, selector.world_size,
@@ -384,6 +395,7 @@ def open_instance(selector: Selector, address=None) -> Instance:
         from kvctl.core.controller_instance import ControllerOnlyInstance
 
         return ControllerOnlyInstance(address, selector.model)
+    _refuse_another_configuration(selector, address)
     address = instances.identify(address)
     if selector.config is not None and address.mode != "mp" and len(address.internal_api) == 1:
         from kvctl.core.target import read_deployment
@@ -402,12 +414,16 @@ def open_instance(selector: Selector, address=None) -> Instance:
     from kvctl.core.errors import RoutesAbsent
     from kvctl.core.inprocess import InProcessInstance
 
-    with InternalAPIClient(address.worker) as worker:
-        try:
-            info = worker.info()
-        except RoutesAbsent:  # a stock LMCache engine: its own routes and its stores
-            from kvctl.core.stock import StockEngineInstance
+    worker = InternalAPIClient(address.worker)  # the instance keeps it for every operation
+    try:
+        info = worker.info()
+    except RoutesAbsent:  # a stock LMCache engine: its own routes and its stores
+        from kvctl.core.stock import StockEngineInstance
 
-            return StockEngineInstance(address, selector.config, selector.model, selector.kv_dtype,
-                                       selector.hash_seed, selector.vllm_url)
-    return InProcessInstance(address, info)
+        worker.close()
+        return StockEngineInstance(address, selector.config, selector.model, selector.kv_dtype,
+                                   selector.hash_seed, selector.vllm_url)
+    except BaseException:
+        worker.close()
+        raise
+    return InProcessInstance(address, info, worker)

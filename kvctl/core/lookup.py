@@ -157,21 +157,15 @@ def lookup(tokens: Sequence[int], target: Target, open_source: Callable[[Store],
     return result
 
 
-def engine_lookup(worker0: str, info: dict[str, Any], token_ids: list[int]) -> LookupResult:
+def engine_lookup(workers: list, info: dict[str, Any], token_ids: list[int]) -> LookupResult:
     """Ask every worker's kvctl routes (the authoritative view of the CPU and disk tiers), and Redis
     itself for the redis tier: LMCache's remote backend answers "not contained" while its Redis is
     down, and some of its connectors answer "contained" for what they never wrote (0.5.6's sentinel
     connector), so an unreachable Redis is an error, not 0 hits, and a hit is a name Redis holds."""
-    from kvctl.clients.internal_api import InternalAPIClient
-    from kvctl.core.instances import worker_url
     from kvctl.core.listing import engine_redis_store
 
-    answers, store = [], None
-    for rank in range(info["world_size"]):
-        with InternalAPIClient(worker_url(worker0, rank)) as worker:
-            answers.append(worker.lookup(token_ids))
-            if rank == 0 and any(entry["tier"] == "redis" for entry in info["tiers"]):
-                store = engine_redis_store(worker)
+    answers = [worker.lookup(token_ids) for worker in workers]  # a client per worker, in rank order
+    store = engine_redis_store(workers[0]) if any(entry["tier"] == "redis" for entry in info["tiers"]) else None
     return from_engine_answers(info, answers, redis_truth(store, answers) if store else {})
 
 

@@ -95,6 +95,23 @@ def assert_operator_views(serve, chunks, prompt_tokens):
     assert frame.code == 0 and json.loads(frame.stdout)["health"]["healthy"]
 
 
+def assert_state_and_config_name_the_running_instance(serve, prompt, chunks, tmp_path):
+    """--state with its serve's --config acts on the running instance (one decision of both selectors);
+    another configuration beside it is a contradiction, refused."""
+    both = ["--state", serve.state_file, "--config", serve.state["config_dir"], "--format", "json"]
+    listed = serve.kvctl("ls", *both)
+    assert listed.code == 0, listed.stderr
+    assert {tier["tier"]: tier["total"] >= chunks for tier in json.loads(listed.stdout)["tiers"]}.get("cpu")
+    found = serve.kvctl("lookup", "--prompt-file", prompt, *both)  # the model comes from the state
+    assert found.code == 0 and json.loads(found.stdout)["hit_tokens"]["total"] == chunks * 256, found.stderr
+    planned = serve.kvctl("evict", "--prompt-file", prompt, "--tier", "cpu", "--dry-run", *both)
+    assert planned.code == 0 and json.loads(planned.stdout)["removed"]["cpu"] == chunks, planned.stderr
+    other = tmp_path / "other-config"
+    assert serve.kvctl("config", "init", "--out", other).code == 0
+    refused = serve.kvctl("ls", "--state", serve.state_file, "--config", other)
+    assert refused.code == 2 and "runs with" in refused.stderr, refused.stderr
+
+
 @pytest.mark.slow
 def test_serve_prewarm_lookup_restart_stop_inprocess(tmp_path):
     cache = tmp_path / "kvctl-cache"
@@ -112,6 +129,7 @@ def test_serve_prewarm_lookup_restart_stop_inprocess(tmp_path):
                                        "json").stdout)
         assert found["hit_tokens"]["total"] == entry["chunks"] * 256 and found["tiers_checked"] == ["cpu", "disk"]
         assert_operator_views(serve, entry["chunks"], entry["prompt_tokens"])
+        assert_state_and_config_name_the_running_instance(serve, prompt, entry["chunks"], tmp_path)
         assert serve.stop() == 0
     finally:
         if serve.proc.poll() is None:
@@ -204,6 +222,7 @@ def test_serve_mp_prewarm_lookup(tmp_path):
         health = json.loads(serve.kvctl("health", "--format", "json").stdout)
         checks = {check["component"]: check["ok"] for check in health["instances"][0]["checks"]}
         assert checks == {"vllm": True, "mp_server": True, "coordinator": True, "disk": True}
+        assert_state_and_config_name_the_running_instance(serve, prompt, entry["chunks"], tmp_path)
         stats = serve.kvctl("stats", "--format", "json")
         assert stats.code == 0, stats.stderr
         lmcache = json.loads(stats.stdout)["instances"][0]["lmcache"]

@@ -90,3 +90,35 @@ def test_keys_go_to_the_worker_of_their_rank(ranks):
     assert done["removed"] == {"cpu": 1} and done["chunks"] == [{"tier": "cpu", "key": rank1_key}]
     lookup = kvctl(ranks, "lookup", "--tokens-file", tokens)
     assert lookup["chunks"][0]["tiers"] == ["disk", "redis"]  # rank 1 lost its CPU copy: not on cpu for both
+
+
+@pytest.mark.slow
+def test_an_eviction_opens_each_worker_once_and_asks_its_info_once(ranks, monkeypatch):
+    """One command, one decision of the instance, one client per worker: counted on the wire (every
+    request kvctl sends goes through HTTPClient.send), against the two real ranks."""
+    from kvctl.clients.http import HTTPClient
+    from tests.helpers import run_cli
+
+    tokens, _ = store_everywhere(ranks, 40_000, 2)
+    opened, asked = [], []
+    original_init, original_send = HTTPClient.__init__, HTTPClient.send
+
+    def counting_init(self, url, *args, **kwargs):
+        opened.append(url)
+        original_init(self, url, *args, **kwargs)
+
+    def counting_send(self, method, path, **options):
+        asked.append((self.url, method, path))
+        return original_send(self, method, path, **options)
+
+    monkeypatch.setattr(HTTPClient, "__init__", counting_init)
+    monkeypatch.setattr(HTTPClient, "send", counting_send)
+    result = run_cli("evict", "--tokens-file", tokens, "--tier", "cpu", "--tier", "disk", "--yes",
+                     "--instance", ranks["urls"][0])
+    assert result.code == 0, result.stderr
+    assert json.loads(result.stdout)["removed"] == {"cpu": 4, "disk": 4}
+    infos = [url for url, _method, path in asked if path == "/kvctl/v1/info"]
+    assert infos == [ranks["urls"][0]], asked  # worker 0's, once
+    # worker 0: the probe that tells an in-process worker from an MP server (its own short timeout), then
+    # the one client of every operation; worker 1: once
+    assert [opened.count(url) for url in ranks["urls"]] == [2, 1], opened
