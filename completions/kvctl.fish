@@ -320,7 +320,7 @@ complete -c kvctl -f -n '__kvctl_at '\'''\''' -a pins -d 'List the pins: kvctl'\
 complete -c kvctl -f -n '__kvctl_at '\'''\''' -a snapshot -d 'Snapshots: save cached chunks to one file, load them into another...'
 complete -c kvctl -f -n '__kvctl_at '\'''\''' -a evict -d 'Remove chunks from the CPU, disk and Redis tiers: a prompt'\''s, given...'
 complete -c kvctl -f -n '__kvctl_at '\'''\''' -a health -d 'Check every component (vLLM, LMCache APIs, offload socket, MP...'
-complete -c kvctl -f -n '__kvctl_at '\'''\''' -a stats -d 'Hit rates, usage vs capacity per tier, evictions and pins, from the...'
+complete -c kvctl -f -n '__kvctl_at '\'''\''' -a stats -d 'Hit rates, usage vs capacity per tier, evictions and pins:...'
 complete -c kvctl -f -n '__kvctl_at '\'''\''' -a top -d 'A live view of health and stats that redraws in place (Ctrl-C to...'
 complete -c kvctl -f -n '__kvctl_at '\'''\''' -a freeze -d 'Freeze an in-process engine: store no new chunks, keep serving what...'
 complete -c kvctl -f -n '__kvctl_at '\'''\''' -a hot-cache -d 'The CPU tier'\''s hot cache of an in-process engine: on, off (which...'
