@@ -84,6 +84,23 @@ def redis_server(start_redis) -> RedisServer:
     return start_redis()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def own_kvctl_directories(tmp_path_factory):
+    """kvctl's cache (serve state, pin ledgers, models) and config home (a user-wide inventory) of this
+    test session (of this xdist worker) alone: never the user's, never another worker's."""
+    import os
+
+    root = tmp_path_factory.mktemp("kvctl-home")
+    saved = {name: os.environ.get(name) for name in ("KVCTL_CACHE_DIR", "XDG_CONFIG_HOME")}
+    os.environ.update(KVCTL_CACHE_DIR=str(root / "cache"), XDG_CONFIG_HOME=str(root / "config"))
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """The project's tiny model, built once per test session by `kvctl model tiny`."""

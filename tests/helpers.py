@@ -58,8 +58,9 @@ def free_port(span: int = 2) -> int:
     Drawn below the kernel's ephemeral range, where no outgoing connection can take it between this check and
     the server's bind, and never handed out twice in one test session."""
     low_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    low, high = _worker_ports(10_000, low_ephemeral)
     while True:
-        port = random.randrange(10_000, low_ephemeral - span)
+        port = random.randrange(low, high - span)
         ports = range(port, port + span)
         if not _HANDED_OUT.intersection(ports) and all(map(_bindable, ports)):
             _HANDED_OUT.update(ports)
@@ -67,6 +68,14 @@ def free_port(span: int = 2) -> int:
 
 
 _HANDED_OUT: set[int] = set()
+
+
+def _worker_ports(low: int, high: int) -> tuple[int, int]:
+    """This pytest-xdist worker's share of [low, high): workers never draw the same port."""
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+    share = (high - low) // count
+    return low + index * share, low + (index + 1) * share
 
 
 def _bindable(port: int) -> bool:

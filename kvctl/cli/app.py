@@ -43,8 +43,8 @@ COMMANDS: list[tuple[str, str, str, bool, str]] = [
      "a whole tier."),
     ("health", "observe", "health", False, "Check every component (vLLM, LMCache APIs, offload socket, MP server, "
      "coordinator, Redis, disk) and its latency."),
-    ("stats", "observe", "stats", False, "Hit rates, usage vs capacity per tier, evictions and pins, from the "
-     "servers' /metrics."),
+    ("stats", "observe", "stats", False, "Hit rates, usage vs capacity per tier, evictions and pins: LMCache's "
+     "counters live, the rest from /metrics."),
     ("top", "observe", "top", False, "A live view of health and stats that redraws in place (Ctrl-C to leave); "
      "--once exits like health."),
     ("freeze", "manage", "freeze", False, "Freeze an in-process engine: store no new chunks, keep serving what is "

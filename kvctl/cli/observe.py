@@ -51,10 +51,11 @@ def health_frame(instance, state, inventory, timeout) -> tuple[dict[str, Any], l
 
 def stats(ctx: typer.Context, instance: FleetInstance = None, state: StateOption = None,
           inventory: InventoryOption = None, timeout: TimeoutOption = 10.0) -> None:
-    """Hit rates, usage vs capacity per tier, evictions and pins: LMCache's counters as of now (from /metrics,
-    up to 10 s old, on an engine without kvctl's routes), the rest from the servers' /metrics.
+    """Hit rates, usage vs capacity per tier, evictions and pins: LMCache's counters live, the rest from /metrics.
 
-    Hit rates: LMCache's lookup vs retrieve hits, vLLM's prefix cache, and LMCache's share of the hits.
+    LMCache's counters are read as of now through kvctl's routes (from /metrics, up to 10 s old, on an
+    engine without them). Hit rates: LMCache's lookup vs retrieve hits, vLLM's prefix cache, and
+    LMCache's share of the hits.
     """
     payload, items, code = stats_frame(instance, state, inventory, timeout)
     ctx.obj.emit(payload, items)
