@@ -116,7 +116,7 @@ def pin(
         return found.pin(found.tokenize(prompt, model), ttl_s, tier_names(tier), model)
 
     on_instances(ctx.obj, selector(instance, state, inventory, vllm_url=vllm_url, coordinator=coordinator), pin_one,
-                 _pin_tables, timeout)
+                 _tables, timeout)
 
 
 # `kvctl pin` pins a prompt and, with a subcommand, `kvctl pin apply FILE` pins a set (kvctl.cli.pinsets).
@@ -125,23 +125,10 @@ pin_app.callback()(pin)
 pin_app.command("apply")(pinsets.apply)
 
 
-def _pin_tables(result, title: str | None = None) -> list:
-    from kvctl.core.controller_instance import ControllerPin
-    from kvctl.core.instance import CoordinatorPin
-
-    if isinstance(result, CoordinatorPin):
-        return [Table(["model", "chunks", "keys", "status"],
-                      [(result.model, result.requested, result.affected, result.status)], title=title)]
-    if isinstance(result, ControllerPin):
-        return [Table(["answered by", "location", "pinned tokens", "expires"],
-                      [("controller", result.location, result.pinned_tokens, "at LMCache's pin timeout")], title=title)]
-    return [Table(["pin id", "chunks", "tokens", "pinned", "expires in"], [_pin_row(result)], title=title)]
-
-
-def _pin_row(pin) -> tuple:
-    expires = "never" if pin.ttl_remaining_s is None else f"{pin.ttl_remaining_s} s"
-    pinned = " ".join(f"{t}:{n}" for t, n in pin.pinned.items()) or "nothing cached: nothing pinned"
-    return pin.pin_id, pin.chunks, pin.tokens, pinned, expires
+def _tables(result, title: str | None = None) -> list:
+    """A pin's or a list of pins' table, as its kind describes itself (kvctl's, the coordinator's, the
+    controller's)."""
+    return [Table(result.columns, result.rows(), title=title)]
 
 
 def unpin(
@@ -170,12 +157,7 @@ def unpin(
 
 
 def _unpin_tables(result, title: str | None = None) -> list:
-    from kvctl.core.instance import CoordinatorPin
-
-    if isinstance(result, CoordinatorPin):
-        return _pin_tables(result, title)
-    rows = [(pin.pin_id, pin.chunks, pin.tokens) for pin in result.unpinned]
-    return [Table(["pin id", "chunks", "tokens"], rows, title=f"{title}: unpinned" if title else "unpinned")]
+    return [Table(result.unpinned_columns, result.unpinned_rows(), title=f"{title}: unpinned" if title else "unpinned")]
 
 
 def pins(ctx: typer.Context, instance: FleetInstance = None, state: StateOption = None,
@@ -183,13 +165,4 @@ def pins(ctx: typer.Context, instance: FleetInstance = None, state: StateOption 
          model: ModelOption = None) -> None:
     """List the pins: kvctl's on an in-process instance; the coordinator's pinned keys in MP mode."""
     on_instances(ctx.obj, selector(instance, state, inventory, coordinator=coordinator),
-                 lambda found: found.pins(model), _pins_tables, timeout)
-
-
-def _pins_tables(result, title: str | None = None) -> list:
-    from kvctl.core.instance import PinnedKey
-
-    if result.pins and isinstance(result.pins[0], PinnedKey):
-        return [Table(["key", "pins"], [(p.key, p.pin_count) for p in result.pins], title=title)]
-    return [Table(["pin id", "set", "chunks", "tokens", "pinned", "expires in"],
-                  [(p.pin_id, p.set or "", *_pin_row(p)[1:]) for p in result.pins], title=title)]
+                 lambda found: found.pins(model), _tables, timeout)

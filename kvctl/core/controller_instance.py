@@ -33,6 +33,10 @@ class ControllerPin:
 
     location: str
     pinned_tokens: int
+    columns = ("answered by", "location", "pinned tokens", "expires")
+
+    def rows(self) -> list[tuple]:
+        return [("controller", self.location, self.pinned_tokens, "at LMCache's pin timeout")]
 
     def as_dict(self) -> dict[str, Any]:
         return {"answered_by": "controller", "location": self.location, "pinned_tokens": self.pinned_tokens}

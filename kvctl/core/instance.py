@@ -165,6 +165,17 @@ class Pin:
         match = PIN_SET_ID.fullmatch(self.pin_id)
         return match.group(1) if match else None
 
+    columns = ("pin id", "chunks", "tokens", "pinned", "expires in")
+    listed_columns = ("pin id", "set", "chunks", "tokens", "pinned", "expires in")  # in `pins`
+
+    def rows(self) -> list[tuple]:
+        expires = "never" if self.ttl_remaining_s is None else f"{self.ttl_remaining_s} s"
+        pinned = " ".join(f"{t}:{n}" for t, n in self.pinned.items()) or "nothing cached: nothing pinned"
+        return [(self.pin_id, self.chunks, self.tokens, pinned, expires)]
+
+    def listed_rows(self) -> list[tuple]:
+        return [(pin_id, self.set or "", *rest) for pin_id, *rest in self.rows()]
+
     def as_dict(self) -> dict[str, Any]:
         """`set` only for a pin set's pin: a plain pin's answer keeps the shape it always had."""
         held = {"set": self.set} if self.set is not None else {}
@@ -181,6 +192,12 @@ class CoordinatorPin:
     requested: int  # chunks of the prompt
     affected: int  # keys pinned (every rank and object group)
     status: str
+    columns = ("model", "chunks", "keys", "status")
+
+    def rows(self) -> list[tuple]:
+        return [(self.model, self.requested, self.affected, self.status)]
+
+    unpinned_columns, unpinned_rows = columns, rows  # an unpin through the coordinator answers the same
 
     def as_dict(self) -> dict[str, Any]:
         return {"model": self.model, "requested": self.requested, "affected": self.affected, "status": self.status}
@@ -192,6 +209,10 @@ class PinnedKey:
 
     key: str
     pin_count: int
+    listed_columns = ("key", "pins")
+
+    def listed_rows(self) -> list[tuple]:
+        return [(self.key, self.pin_count)]
 
     def as_dict(self) -> dict[str, Any]:
         return {"key": self.key, "pin_count": self.pin_count}
@@ -201,6 +222,13 @@ class PinnedKey:
 class PinList:
     pins: list[Pin] | list[PinnedKey]
 
+    @property
+    def columns(self) -> tuple:
+        return self.pins[0].listed_columns if self.pins else Pin.listed_columns
+
+    def rows(self) -> list[tuple]:
+        return [row for pin in self.pins for row in pin.listed_rows()]
+
     def as_dict(self) -> dict[str, Any]:
         return {"pins": [pin.as_dict() for pin in self.pins]}
 
@@ -208,6 +236,10 @@ class PinList:
 @dataclass
 class Unpinned:
     unpinned: list[Pin]
+    unpinned_columns = ("pin id", "chunks", "tokens")
+
+    def unpinned_rows(self) -> list[tuple]:
+        return [(pin.pin_id, pin.chunks, pin.tokens) for pin in self.unpinned]
 
     def as_dict(self) -> dict[str, Any]:
         return {"unpinned": [pin.as_dict() for pin in self.unpinned]}
