@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvctl.core.instance import EvictionPlan, Selection, Unsupported
+from kvctl.core.instance import EvictionPlan, NoManagement, Selection, Unsupported
 
 LOCATIONS = {"cpu": "LocalCPUBackend", "disk": "LocalDiskBackend"}
 CLEARABLE = ("cpu",)  # LMCache 0.5.6 clears only LocalCPUBackend whole (disk and remote skip clear())
@@ -42,7 +42,7 @@ class ControllerPin:
         return {"answered_by": "controller", "location": self.location, "pinned_tokens": self.pinned_tokens}
 
 
-class ControllerOnlyInstance:
+class ControllerOnlyInstance(NoManagement):
     """A registered instance answered for by the controller alone."""
 
     kind = "controller"

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Iterator
 from functools import cached_property
 from typing import Any
 
-from kvctl.core.instance import ChunkKeyed
+from kvctl.core.instance import ChunkKeyed, NoManagement
 from kvctl.core.keys import given_chunk_keys, parse_key
 
 ROUTE_BATCH = 10_000  # keys per evict request: well inside the routes' body cap
@@ -265,7 +265,7 @@ def _rank_of(key: str, world_size: int) -> int:
     return parsed.worker_id
 
 
-class InProcessInstance(ChunkKeyed):
+class InProcessInstance(ChunkKeyed, NoManagement):
     """A running in-process engine: kvctl's routes on every worker answer for the CPU and disk tiers
     and for pins; Redis is read and written directly (see `evict`)."""
 
@@ -360,6 +360,9 @@ class InProcessInstance(ChunkKeyed):
 
     def stages_writes(self, tier: str | None = None) -> bool:
         return False  # each request's chunks are stored as it is answered
+
+    def engine_address(self, feature: str):
+        return self.address
 
 
 def _typed_pin(entry: dict[str, Any]):

@@ -32,6 +32,27 @@ class Unsupported(UsageError):
     """An operation this kind of instance cannot do (pins with no engine, TTLs on coordinator pins)."""
 
 
+KINDS = {"inprocess": "an in-process engine", "stock": "an in-process engine", "mp": "an MP server",
+         "offline": "a configuration with no engine", "controller": "an engine known only to the controller"}
+ENGINE_HINT = "address an in-process engine (its worker 0 internal API) with --instance"
+MP_SERVER_HINT = "address an lmcache server (its HTTP URL) with --instance"
+
+
+def lacks(instance, feature: str, hint: str) -> Unsupported:
+    """What an instance of another kind answers when asked for `feature` (a phrase naming whose it is)."""
+    return Unsupported(f"{feature}; {KINDS.get(instance.kind, 'this instance')} has none", hint=hint)
+
+
+class NoManagement:
+    """An instance with neither an in-process engine's nor an MP server's management routes."""
+
+    def engine_address(self, feature: str):
+        raise lacks(self, f"{feature} is an in-process LMCache feature", ENGINE_HINT)
+
+    def mp_server_url(self, feature: str) -> str:
+        raise lacks(self, f"{feature} are an MP server feature (lmcache server)", MP_SERVER_HINT)
+
+
 @dataclass(frozen=True)
 class Selection:
     """What an eviction takes: a prompt's chunks (`tokens`), given chunk keys, or (neither) every chunk
@@ -352,6 +373,14 @@ class Instance(Protocol):
     def stages_writes(self, tier: str | None = None) -> bool:
         """Whether write_chunks on `tier` makes no chunk visible before its chunks ran out without an
         error: a snapshot load then checks checksums while it writes, else all of them first."""
+
+    def engine_address(self, feature: str) -> Any:
+        """The Address of an in-process engine, whose LMCache routes (freeze, backends, /conf, chunk
+        statistics) serve `feature`; Unsupported naming the feature elsewhere."""
+
+    def mp_server_url(self, feature: str) -> str:
+        """The MP server's HTTP URL, whose LMCache routes (quotas, reconfiguration, checksums) serve
+        `feature`; Unsupported naming the feature elsewhere."""
 
 
 class ChunkKeyed:

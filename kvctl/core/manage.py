@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvctl.core.errors import KvctlError, RejectedError, UsageError
-from kvctl.core.instance import Unsupported
 
 # Keys LMCache 0.5.6 reads again on every request, so `POST /conf` takes effect: where it is read.
 LIVE_KEYS: dict[str, str] = {
@@ -49,8 +48,6 @@ REFUSED_DEFAULT = "LMCache reads it only when the engine, its lookup client or a
 BACKENDS = {"cpu": "LocalCPUBackend", "disk": "LocalDiskBackend", "redis": "RemoteBackend",
             "remote": "RemoteBackend", "gds": "GdsBackend", "p2p": "P2PBackend", "pd": "PDBackend"}
 TIERS = {"LocalCPUBackend": "cpu", "LocalDiskBackend": "disk", "RemoteBackend": "redis"}
-KINDS = {"inprocess": "an in-process engine", "stock": "an in-process engine", "mp": "an MP server",
-         "offline": "a configuration with no engine"}
 # LocalCPUBackend is the engine's allocator: closing it leaves every store without memory.
 NOT_DETACHABLE = {"LocalCPUBackend"}
 
@@ -168,44 +165,26 @@ def _fan(targets: list[tuple[str, int | None, str]], call: Callable[[Any], dict[
 
 # -- in-process plumbing ----------------------------------------------------------------------------
 
-def _inprocess(instance, what: str):
-    """A running in-process engine, kvctl's routes or not (LMCache's own routes serve these)."""
-    from kvctl.core.inprocess import InProcessInstance
-    from kvctl.core.stock import StockEngineInstance
-
-    return _require(instance, (InProcessInstance, StockEngineInstance), f"{what} is an in-process LMCache feature",
-                    "address an in-process engine (its worker 0 internal API) with --instance")
-
-
-def _require(instance, kind: type | tuple[type, ...], feature: str, hint: str):
-    """The instance, if it is of `kind`; else Unsupported naming what it is instead."""
-    if not isinstance(instance, kind):
-        raise Unsupported(f"{feature}; {KINDS.get(getattr(instance, 'kind', ''), 'this instance')} has none",
-                          hint=hint)
-    return instance
-
-
 def workers(instance, what: str) -> list[tuple[str, int | None, str]]:
     """('worker', r, url) for every worker of an in-process instance: the world size from worker 0's
     LMCache /meta, which every engine serves, kvctl's routes or not."""
     from kvctl.clients.internal_api import InternalAPIClient
     from kvctl.core.instances import worker_url
 
-    found = _inprocess(instance, what)
-    with InternalAPIClient(found.worker0) as worker:
+    worker0 = instance.engine_address(what).worker
+    with InternalAPIClient(worker0) as worker:
         world_size = worker.meta().get("world_size") or 1
-    return [("worker", rank, worker_url(found.worker0, rank)) for rank in range(int(world_size))]
+    return [("worker", rank, worker_url(worker0, rank)) for rank in range(int(world_size))]
 
 
 def scheduler(instance, what: str) -> tuple[str, bool]:
     """The scheduler's internal API URL and whether it is known (else worker 0's port - 1, guessed)."""
     from kvctl.core.instances import worker_url
 
-    found = _inprocess(instance, what)
-    listed = found.address.internal_api
-    if len(listed) > 1:
-        return listed[0], True
-    return worker_url(found.worker0, -1), False
+    address = instance.engine_address(what)
+    if len(address.internal_api) > 1:
+        return address.internal_api[0], True
+    return worker_url(address.worker, -1), False
 
 
 # -- freeze and hot cache ---------------------------------------------------------------------------
@@ -473,14 +452,6 @@ def chunk_top(instance, directory: str | os.PathLike | None, limit: int):
 DEFAULT_SALT = "_default"  # the empty cache salt, as LMCache's HTTP API spells it
 
 
-def require_mp(instance, what: str):
-    """The instance, if an MP server; else what only one has (plural: "tenant quotas") as a usage error."""
-    from kvctl.core.mp_cache import MPInstance
-
-    return _require(instance, MPInstance, f"{what} are an MP server feature (lmcache server)",
-                    "address an lmcache server (its HTTP URL) with --instance")
-
-
 @dataclass
 class Quotas:
     quotas: list[dict[str, Any]]
@@ -499,9 +470,8 @@ def quota(instance, action: str, salt: str | None = None, limit_gb: float | None
     existing quota evicts what is over it, as rm does: `confirm_shrink(current quota)` is asked first."""
     from kvctl.clients.mp_server import MPServerClient
 
-    found = require_mp(instance, "tenant quotas")
     name = salt if salt else DEFAULT_SALT
-    with MPServerClient(found.address.mp_http) as server:
+    with MPServerClient(instance.mp_server_url("tenant quotas")) as server:
         if action == "list":
             users = server.quotas().get("users", {})
             return Quotas([{"cache_salt": s, **v} for s, v in users.items()])

@@ -125,9 +125,8 @@ def storage_status(server) -> StorageStatus:
 
 def status(instance) -> StorageStatus:
     from kvctl.clients.mp_server import MPServerClient
-    from kvctl.core.manage import require_mp
 
-    with MPServerClient(require_mp(instance, "storage reconfigurations").address.mp_http) as server:
+    with MPServerClient(instance.mp_server_url("storage reconfigurations")) as server:
         return storage_status(server)
 
 
@@ -204,10 +203,9 @@ def plan(instance, action: str, tier: str, device: str, size: int | None = None,
     """The request for `action` and the current status, nothing changed (a dry run, and the
     question before a change that can drop cached chunks)."""
     from kvctl.clients.mp_server import MPServerClient
-    from kvctl.core.manage import require_mp
 
     body = request_body(action, tier, device, size, mode, force, adapter)
-    with MPServerClient(require_mp(instance, "storage reconfigurations").address.mp_http) as server:
+    with MPServerClient(instance.mp_server_url("storage reconfigurations")) as server:
         current = storage_status(server)
     path = MPServerClient.reconfigure_path(BACKEND, tier, action)
     return Change(action, tier, device, path, body, current,
@@ -218,7 +216,7 @@ def apply(instance, change: Change) -> Change:
     """Send `change` (from plan); the answer and the status after it."""
     from kvctl.clients.mp_server import MPServerClient
 
-    with MPServerClient(instance.address.mp_http) as server:
+    with MPServerClient(instance.mp_server_url("storage reconfigurations")) as server:
         try:
             change.answer = server.reconfigure(change.path, change.body)
         except RejectedError as error:
@@ -268,11 +266,10 @@ def checksums(instance, blocks: list[int], chunk_size: int | None = None, worker
     """MD5 per chunk of `blocks` (default chunk: the server's chunk size in the worker's blocks).
     Blocks past the worker's KV cache are refused here: LMCache answers them with a bare 500."""
     from kvctl.clients.mp_server import MPServerClient
-    from kvctl.core.manage import require_mp
 
     if not blocks:
         raise UsageError("no blocks to checksum", hint="pass --blocks, e.g. 0-15")
-    with MPServerClient(require_mp(instance, "KV block checksums").address.mp_http) as server:
+    with MPServerClient(instance.mp_server_url("KV block checksums")) as server:
         server_status = server.status()
         size = chunk_size or blocks_per_chunk(server_status, worker)
         count = (worker_layout(server_status, worker) or {}).get("num_blocks")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvctl.core.errors import ServerError, UsageError
+from kvctl.core.instance import NoManagement
 from kvctl.core.keys import ObjectKey, given_object_keys, parse_object_key
 from kvctl.core.listing import disk_chunks, l1_entries, redis_tier_keys, stored_redis_keys
 from kvctl.core.target import Store
@@ -149,7 +150,7 @@ def _evict_l2(server, store: Store, wanted: list[ObjectKey] | None, model: str |
     result["chunks"].extend({"tier": store.tier, "key": key} for key in going)
 
 
-class MPInstance:
+class MPInstance(NoManagement):
     """A running `lmcache server`: its L1 (cpu) through its HTTP API and kvctl's MP routes, its L2
     stores from its configuration, pins through the LMCache coordinator (fleet-wide, L2 only)."""
 
@@ -350,3 +351,6 @@ class MPInstance:
 
     def stages_writes(self, tier: str | None = None) -> bool:
         return False  # each request's chunks are stored as it is answered
+
+    def mp_server_url(self, feature: str) -> str:
+        return self.address.mp_http

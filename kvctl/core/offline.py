@@ -26,6 +26,7 @@ from kvctl.clients.disk_tier import DiskTier, partial_name, staging, stale_parti
 from kvctl.core.errors import KvctlError, UsageError
 from kvctl.core.instance import (
     EvictionPlan,
+    NoManagement,
     Selection,
     StoredChunk,
     Unsupported,
@@ -314,7 +315,7 @@ class RunningEngine(NamedTuple):
     url: str | None
 
 
-class OfflineInstance:
+class OfflineInstance(NoManagement):
     """A configuration directory's stores, with no engine: lookup, list, evict, snapshots; pins refused.
     Its keys are the deployment's: chunk keys in process, object keys for an MP server's L2."""
 

@@ -45,6 +45,9 @@ class StockEngineInstance(OfflineInstance):
         super().__init__(config_dir or address.config_dir, model, kv_dtype, 1, hash_seed, vllm_url or address.vllm)
         self.address, self.worker0, self.name = address, address.worker, address.name
 
+    def engine_address(self, feature: str):
+        return self.address  # LMCache's own management routes serve a stock engine too
+
     @cached_property
     def _described(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, str] | None]:
         """(GET /conf, /meta, /env) of worker 0: what the engine says of itself (/env may be refused)."""
