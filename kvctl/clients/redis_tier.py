@@ -17,10 +17,11 @@ Sentinel and cluster deployments go through redis-py, as LMCache's own connector
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import ssl
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 from kvctl.core.errors import KvctlError, RejectedError, ServerError, UnreachableError
@@ -36,17 +37,38 @@ TIMEOUT_S = 5.0
 
 
 def _command(*parts: bytes) -> bytes:
-    return b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(part), part) for part in parts)
+    return b"*%d\r\n" % len(parts) + b"".join(map(_bulk, parts))
 
 
-def _commands(verb: str, groups: Sequence[Sequence[str]]) -> bytes:
-    """`verb group…` per group, pipelined; built as one string (ASCII names, the usual case) because that
-    is 4x faster than encoding each part."""
-    if all(name.isascii() for group in groups for name in group):
-        head = f"${len(verb)}\r\n{verb}\r\n"
-        return "".join([f"*{len(group) + 1}\r\n{head}" + "".join([f"${len(name)}\r\n{name}\r\n" for name in group])
-                        for group in groups]).encode()
-    return b"".join(_command(verb.encode(), *(name.encode() for name in group)) for group in groups)
+def _commands(verb: str, keys: Sequence[str], suffixes: Sequence[str]) -> bytes:
+    """`verb key+suffix…` for each key, pipelined, as RESP. Built by slicing into one list joined once
+    (no string per command or per name): in Python the encoding is otherwise what bounds a big batch."""
+    text = _resp(verb, keys, suffixes, list(map(len, keys)))
+    if not text.isascii():  # RESP counts bytes: measure each name encoded
+        text = _resp(verb, keys, suffixes, [len(key.encode()) for key in keys])
+    return text.encode()
+
+
+def _resp(verb: str, keys: Sequence[str], suffixes: Sequence[str], sizes: list[int]) -> str:
+    step = 3 * len(suffixes)
+    pieces = [""] * (step * len(keys))
+    for index, suffix in enumerate(suffixes):
+        head = f"*{len(suffixes) + 1}\r\n${len(verb)}\r\n{verb}\r\n" if index == 0 else ""
+        extra = len(suffix.encode())
+        headers = {size: f"{head}${size + extra}\r\n" for size in set(sizes)}
+        pieces[3 * index::step] = map(headers.__getitem__, sizes)
+        pieces[3 * index + 1::step] = keys
+        pieces[3 * index + 2::step] = [suffix + "\r\n"] * len(keys)
+    return "".join(pieces)
+
+
+def _bulk(part: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(part), part)
+
+
+def _not_redis() -> ServerError:
+    return ServerError("Redis answered with something that is no reply to kvctl's command",
+                       hint="check that the URL points at a Redis server")
 
 
 class RedisTier:
@@ -69,6 +91,7 @@ class RedisTier:
         except OSError as error:
             raise UnreachableError(f"cannot connect to {where}: {error.strerror or error}",
                                    hint="check that redis-server runs and the URL in the config is right") from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a batch's last segment goes at once
         if self.url.tls:
             sock = ssl.create_default_context().wrap_socket(sock, server_hostname=host)
         self._sock = sock
@@ -132,49 +155,120 @@ class RedisTier:
     # -- presence ------------------------------------------------------------------------------
 
     def exists(self, names: Sequence[str]) -> list[bool]:
-        """For each key name, whether it exists; one round trip per BATCH names."""
+        """For each key name, whether it exists (one EXISTS per name: a multi-key EXISTS only counts)."""
         if self.url.scheme in ("redis-sentinel", "redis-cluster"):
             return [bool(count) for count in self._per_name("exists", names)]
-        return [count == 1 for count in self._small_integers([(name,) for name in names],
-                                                             lambda batch: _commands("EXISTS", batch))]
+        return list(map(ord("1").__eq__, self._small_integers("EXISTS", names, ("",))))
 
-    def unlink_groups(self, groups: Sequence[Sequence[str]]) -> list[int]:
-        """UNLINK each group of names (one chunk's); per group, how many names Redis removed. A cluster
-        keeps a chunk's names in different slots: there each name goes on its own, pipelined."""
+    def unlink_each(self, keys: Sequence[str], suffixes: Sequence[str]) -> list[int]:
+        """For each key, UNLINK its names (the key with each suffix: one chunk's) in one command; how many
+        of them Redis removed. A cluster keeps a chunk's names in different slots: there each name goes on
+        its own, pipelined."""
         if self.url.scheme in ("redis-sentinel", "redis-cluster"):
-            replies = iter(self._per_name("unlink", [name for group in groups for name in group]))
-            return [sum(next(replies) for _ in group) for group in groups]
-        return self._small_integers(groups, lambda batch: _commands("UNLINK", batch))
+            replies = iter(self._per_name("unlink", [key + suffix for key in keys for suffix in suffixes]))
+            return [sum(next(replies) for _ in suffixes) for _ in keys]
+        return [digit - ord("0") for digit in self._small_integers("UNLINK", keys, suffixes)]
 
-    def _small_integers(self, groups: Sequence[Sequence[str]], encode) -> list[int]:
-        """Send `encode(batch)` (one command per group, each answered by an integer 0-9), BATCH groups per
-        round trip on kvctl's own socket, and read the fixed-size replies (`:n\\r\\n`) back in bulk."""
+    def _small_integers(self, verb: str, keys: Sequence[str], suffixes: Sequence[str]) -> bytes:
+        """The replies to `verb key+suffix…` for each key (each an integer 0-9), as one digit per key.
+        BATCH commands per write on kvctl's own socket, the next batch sent before the replies to the
+        previous one are read (Redis works while kvctl encodes), and the fixed-size replies (`:n\\r\\n`)
+        read back in bulk."""
         sock = self._connect()
-        counts: list[int] = []
-        for offset in range(0, len(groups), BATCH):
-            batch = groups[offset:offset + BATCH]
-            sock.sendall(encode(batch))
-            if self._read(1) == b"-":
-                raise self._error(b"-" + self._line(), f"Redis at {self.url.hosts[0][0]}:{self.url.hosts[0][1]}")
-            replies = b":" + self._read(4 * len(batch) - 1)
-            if replies[0::4] != b":" * len(batch) or replies[2::4] != b"\r" * len(batch):
-                raise ServerError("Redis answered with something else than small integers",
-                                  hint="check that the URL points at a Redis server")
-            counts.extend(digit - ord("0") for digit in replies[1::4])
-        return counts
+        digits, pending = [], 0
+        for offset in range(0, len(keys), BATCH):
+            batch = keys[offset:offset + BATCH]
+            sock.sendall(_commands(verb, batch, suffixes))
+            if pending:
+                digits.append(self._digits(pending))
+            pending = len(batch)
+        if pending:
+            digits.append(self._digits(pending))
+        return b"".join(digits)
+
+    def _scan_cursor(self) -> bytes:
+        """The cursor at the head of a SCAN reply (`*2`, then the cursor as a bulk string)."""
+        line = self._line()
+        if line.startswith(b"-"):
+            raise self._error(line, f"Redis at {self.url.hosts[0][0]}:{self.url.hosts[0][1]}")
+        size = self._line()
+        if line != b"*2" or not size.startswith(b"$") or not size[1:].isdigit():
+            raise _not_redis()
+        return self._read(int(size[1:]) + 2)[:-2]
+
+    def _bulk_strings(self) -> list[str]:
+        """An array of bulk strings. Read by splitting the buffer at CRLF once the reply is in, checked by
+        each name's announced length (a name holding a CRLF fails the check); else one by one."""
+        count = self._line()
+        if not count.startswith(b"*") or not count[1:].isdigit():
+            raise _not_redis()
+        count = int(count[1:])
+        while self._buffer.count(b"\r\n") < 2 * count:
+            self._receive()
+        *pieces, rest = self._buffer.split(b"\r\n", 2 * count)
+        names = pieces[1::2]
+        if pieces[0::2] == list(map(b"$%d".__mod__, map(len, names))):
+            self._buffer = rest
+            return [name.decode(errors="replace") for name in names]
+        return self._bulk_strings_one_by_one(count)
+
+    def _bulk_strings_one_by_one(self, count: int) -> list[str]:
+        data, position, names = self._buffer, 0, []
+        for _ in range(count):
+            while (end := data.find(b"\r\n", position)) < 0:
+                data = self._more(data)
+            size = data[position + 1:end]
+            if data[position] != ord("$") or not size.isdigit():
+                raise _not_redis()
+            start = end + 2
+            stop = start + int(size)
+            while len(data) < stop + 2:
+                data = self._more(data)
+            names.append(data[start:stop].decode(errors="replace"))
+            position = stop + 2
+        self._buffer = data[position:]
+        return names
+
+    def _more(self, data: bytes) -> bytes:
+        self._buffer = data
+        self._receive()
+        return self._buffer
+
+    def _digits(self, count: int) -> bytes:
+        """The next `count` replies, each a one-digit integer, as their digits."""
+        if self._read(1) == b"-":
+            raise self._error(b"-" + self._line(), f"Redis at {self.url.hosts[0][0]}:{self.url.hosts[0][1]}")
+        replies = b":" + self._read(4 * count - 1)
+        if replies[0::4] != b":" * count or replies[2::4] != b"\r" * count:
+            raise _not_redis()
+        return replies[1::4]
 
     def stored_names(self, limit: int) -> list[str]:
         return self.scan(self.list_pattern, limit)
 
-    def scan(self, match: str, limit: int) -> list[str]:
-        """Up to `limit` key names matching the glob, by SCAN (never KEYS)."""
+    def scan(self, match: str, limit: int, pick: Callable[[list[str]], list] = list) -> list:
+        """Up to `limit` of what `pick` keeps of the key names matching the glob, page by page, by SCAN
+        (never KEYS). On plain Redis kvctl asks for the next page as soon as a reply's cursor is in, and
+        reads and picks from the page while Redis scans on."""
+        kept: list = []
+        if self.url.scheme not in ("redis-sentinel", "redis-cluster"):
+            sock = self._connect()
+            pattern, count = match.encode(), b"%d" % SCAN_COUNT
+            sock.sendall(_command(b"SCAN", b"0", b"MATCH", pattern, b"COUNT", count))
+            while True:
+                cursor = self._scan_cursor()
+                going_on = cursor != b"0" and len(kept) < limit
+                if going_on:
+                    sock.sendall(_command(b"SCAN", cursor, b"MATCH", pattern, b"COUNT", count))
+                kept.extend(pick(self._bulk_strings()))
+                if not going_on:
+                    return kept[:limit]
         with self._session() as client:
-            names = []
-            for name in client.scan_iter(match=match, count=SCAN_COUNT):
-                if len(names) == limit:
-                    break
-                names.append(name.decode(errors="replace") if isinstance(name, bytes) else name)
-            return names
+            names = (name.decode(errors="replace") if isinstance(name, bytes) else name
+                     for name in client.scan_iter(match=match, count=SCAN_COUNT))
+            while len(kept) < limit and (page := list(itertools.islice(names, SCAN_COUNT))):
+                kept.extend(pick(page))
+            return kept[:limit]
 
     def memory(self) -> dict:
         """The server's INFO memory section (used_memory, maxmemory, maxmemory_policy, …). On a cluster,

@@ -10,13 +10,14 @@ Nothing here reads a value, pins a chunk or moves it in an eviction order.
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvctl_plugins.wire import MAX_PAGE as ENGINE_PAGE  # the routes' largest page (in-process and MP alike)
 
-from kvctl.core.keys import ObjectKey, parse_key, parse_object_key
+from kvctl.core.keys import CANONICAL_COUNT, CANONICAL_HASH, KEY_DTYPES, ObjectKey, parse_key, parse_object_key
 from kvctl.core.target import DISK_SUFFIXES, REDIS_PATTERNS, REDIS_SUFFIXES, Store
 
 EVERYTHING = 2**62
@@ -144,12 +145,26 @@ def scan_chunks(redis, layout: str, model: str | None, limit: int) -> tuple[list
     matches foreign keys that look alike: only names that parse as chunk keys of `model` count."""
     parse = native_object_key if layout == "mp-resp" else parse_key
     suffix = REDIS_SUFFIXES[layout]
-    keys = []
-    for name in redis.scan(redis_pattern(layout, model), EVERYTHING):
-        key = name.removesuffix(suffix)
-        if _of_model(parse(key), model):
-            keys.append(key)
+    written = _lmcache_name(layout, model)
+
+    def chunk_keys(names: list[str]) -> list[str]:
+        return [name.removesuffix(suffix) for name in names
+                if written(name) or _of_model(parse(name.removesuffix(suffix)), model)]
+
+    keys = redis.scan(redis_pattern(layout, model), EVERYTHING, chunk_keys)  # page by page, while Redis scans on
     return keys[:limit], len(keys)
+
+
+def _lmcache_name(layout: str, model: str | None):
+    """A quick test for what LMCache writes most, in one regular expression per name: a chunk name of
+    `model` without tags. A name it accepts is one parse_key takes for `model` (its fields spelled as
+    parse_key's own patterns demand); one it refuses goes to parse_key, which decides."""
+    if layout != "lmcache-redis" or not model or model.startswith("@"):  # parse_key refuses an empty first part
+        return lambda _name: False
+    count, chunk_hash = CANONICAL_COUNT.__self__.pattern, CANONICAL_HASH.__self__.pattern
+    dtypes = "|".join(map(re.escape, sorted(KEY_DTYPES)))
+    return re.compile(f"{re.escape(model)}@(?!0@)(?:{count})@(?:{count})@(?:{chunk_hash})@(?:{dtypes})"
+                      f"{re.escape(REDIS_SUFFIXES[layout])}").fullmatch
 
 
 def native_object_key(name: str) -> ObjectKey | None:
@@ -244,7 +259,7 @@ def unlink_chunks(store: Store, keys: list[str]) -> list[str]:
     from kvctl.clients.redis_tier import RedisTier
 
     with RedisTier(store.redis) as redis:
-        removed = redis.unlink_groups([redis_chunk_names(key, store.layout) for key in keys])
+        removed = redis.unlink_each(keys, redis_chunk_names("", store.layout))
     return [key for key, count in zip(keys, removed) if count]
 
 
@@ -253,8 +268,8 @@ def stored_redis_keys(store: Store, keys: list[str]) -> list[str]:
     from kvctl.clients.redis_tier import RedisTier
 
     with RedisTier(store.redis) as redis:
-        return [key for key, held in zip(keys, redis.exists([redis_chunk_names(key, store.layout)[-1] for key in keys]))
-                if held]
+        held = redis.exists([key + REDIS_SUFFIXES[store.layout] for key in keys])
+    return [key for key, present in zip(keys, held) if present]
 
 
 def store_listers(stores: list[Store], tiers: list[str] | None, limit: int, model: str | None) -> dict[str, Any]:
