@@ -98,7 +98,10 @@ class InternalAPIClient(HTTPClient):
         return self.request("GET", f"{PREFIX}/stats")["counters"]
 
     def lookup(self, tokens: list[int]) -> dict[str, Any]:
-        return self.request("POST", f"{PREFIX}/lookup", {"tokens": tokens})
+        import msgspec  # 128K tokens are ~1 MiB of JSON: written in C (json.dumps was a third of the round trip)
+
+        return self.send("POST", f"{PREFIX}/lookup", content=msgspec.json.encode({"tokens": tokens}),
+                         headers={"content-type": "application/json"}).json()
 
     def keys(self, tier: str, offset: int = 0, limit: int = 100) -> dict[str, Any]:
         return self.request("GET", f"{PREFIX}/keys", params={"tier": tier, "offset": offset, "limit": limit})

@@ -121,10 +121,11 @@ def error(status: int, code: str, message: str) -> JSONResponse:
 
 
 async def serve(request: Request, engine: Any, operation: Callable[[Any, Any], Any], no_engine: str,
-                frames: bool = False) -> Response:
+                frames: bool = False, parse: Callable[[bytes], Any] | None = None) -> Response:
     """Check the request, then answer operation(engine, body) computed on a worker thread. The body is
-    a JSON object, or with `frames` the raw bytes of an application/octet-stream body of chunk frames
-    (wire.py); the operation answers JSON, or a Response of its own (chunk bytes)."""
+    a JSON object (or what `parse` makes of the raw JSON body), or with `frames` the raw bytes of an
+    application/octet-stream body of chunk frames (wire.py); the operation answers JSON, or a Response of
+    its own (chunk bytes)."""
     try:
         check_host(request)
         check_token(request, adopt_routes_token())
@@ -133,7 +134,7 @@ async def serve(request: Request, engine: Any, operation: Callable[[Any, Any], A
             return error(503, "no_engine", no_engine)
 
         def work() -> Response:
-            answer = operation(engine, raw if frames else parse_body(raw))
+            answer = operation(engine, raw if frames else (parse or parse_body)(raw))
             return answer if isinstance(answer, Response) else JSONResponse(answer)
 
         return await run_in_threadpool(work)
