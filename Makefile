@@ -7,8 +7,10 @@ KVCTL := .venv/bin/kvctl
 setup:
 	@./scripts/setup
 
+# Real servers, three test files at a time (pytest-xdist): most of a test's time is spent waiting on a
+# process it started; a file stays whole on one worker, sharing its servers.
 test: setup lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n 3 --dist loadfile $(PYTEST_ARGS)
 
 # The in-memory layer, the pure functions, the commands and the property layer on a small budget:
 # under a minute, no servers started.
