@@ -107,7 +107,17 @@ class RedisTier:
     def close(self) -> None:
         if self._sock is not None:
             self._sock.close()
-            self._sock = None
+            self._sock, self._buffer = None, b""
+
+    @contextmanager
+    def _pipeline(self) -> Iterator[socket.socket]:
+        """kvctl's socket for one pipelined exchange, closed if it fails part way (replies left unread)."""
+        sock = self._connect()
+        try:
+            yield sock
+        except BaseException:
+            self.close()
+            raise
 
     def __enter__(self) -> RedisTier:
         return self
@@ -174,16 +184,16 @@ class RedisTier:
         BATCH commands per write on kvctl's own socket, the next batch sent before the replies to the
         previous one are read (Redis works while kvctl encodes), and the fixed-size replies (`:n\\r\\n`)
         read back in bulk."""
-        sock = self._connect()
         digits, pending = [], 0
-        for offset in range(0, len(keys), BATCH):
-            batch = keys[offset:offset + BATCH]
-            sock.sendall(_commands(verb, batch, suffixes))
+        with self._pipeline() as sock:
+            for offset in range(0, len(keys), BATCH):
+                batch = keys[offset:offset + BATCH]
+                sock.sendall(_commands(verb, batch, suffixes))
+                if pending:
+                    digits.append(self._digits(pending))
+                pending = len(batch)
             if pending:
                 digits.append(self._digits(pending))
-            pending = len(batch)
-        if pending:
-            digits.append(self._digits(pending))
         return b"".join(digits)
 
     def _scan_cursor(self) -> bytes:
@@ -252,17 +262,17 @@ class RedisTier:
         reads and picks from the page while Redis scans on."""
         kept: list = []
         if self.url.scheme not in ("redis-sentinel", "redis-cluster"):
-            sock = self._connect()
             pattern, count = match.encode(), b"%d" % SCAN_COUNT
-            sock.sendall(_command(b"SCAN", b"0", b"MATCH", pattern, b"COUNT", count))
-            while True:
-                cursor = self._scan_cursor()
-                going_on = cursor != b"0" and len(kept) < limit
-                if going_on:
-                    sock.sendall(_command(b"SCAN", cursor, b"MATCH", pattern, b"COUNT", count))
-                kept.extend(pick(self._bulk_strings()))
-                if not going_on:
-                    return kept[:limit]
+            with self._pipeline() as sock:
+                sock.sendall(_command(b"SCAN", b"0", b"MATCH", pattern, b"COUNT", count))
+                while True:
+                    cursor = self._scan_cursor()
+                    going_on = cursor != b"0" and len(kept) < limit
+                    if going_on:
+                        sock.sendall(_command(b"SCAN", cursor, b"MATCH", pattern, b"COUNT", count))
+                    kept.extend(pick(self._bulk_strings()))
+                    if not going_on:
+                        return kept[:limit]
         with self._session() as client:
             names = (name.decode(errors="replace") if isinstance(name, bytes) else name
                      for name in client.scan_iter(match=match, count=SCAN_COUNT))

@@ -1,6 +1,8 @@
 """kvctl's own RESP pipelines (issue #23: SCAN read while Redis scans on, several batches in flight)
 against a real redis-server: the same answers as redis-py's, whatever the names hold."""
 
+import pytest
+
 from kvctl.clients.redis_tier import BATCH, SCAN_COUNT, RedisTier
 from kvctl.core.tiers import parse_redis_url
 
@@ -32,3 +34,17 @@ def test_unlink_counts_each_chunk_across_batches(start_redis):
         assert tier.unlink_each(keys, ("kv_bytes", "metadata")) == [held[key] for key in keys]
         assert tier.exists([key + "metadata" for key in keys]) == [False] * len(keys)
     assert client.keys("*") == [b"other"]
+
+
+def test_an_exchange_that_fails_part_way_leaves_no_reply_for_the_next(start_redis):
+    server = start_redis()
+    client = server.client()
+    client.mset({f"m@{index}": b"1" for index in range(3 * SCAN_COUNT)})
+
+    def refuse(_names):
+        raise RuntimeError("stop")
+
+    with RedisTier(parse_redis_url(server.url)) as tier:
+        with pytest.raises(RuntimeError):
+            tier.scan("m@*", 10**9, refuse)  # the next page was already asked for
+        assert tier.exists(["m@1", "none"]) == [True, False]
