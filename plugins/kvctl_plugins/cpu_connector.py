@@ -5,8 +5,10 @@ cpu connector found"). vLLM's CPU attention keeps each layer's cache as
 [num_blocks, num_kv_heads, block_size, 2 * head_size], K and V regions per block, with a K layout
 that depends on the CPU's instruction set. Rather than hard-coding layouts, the connector asks
 vLLM's own `cpu_attn_reshape_and_cache` where every (token, head, dim) of K and V lands inside a
-block (writing index-encoded values into a scratch block once), then moves KV with torch
-gather/scatter over those positions: no Python loop per token.
+block (writing index-encoded values into a scratch block once). A load writes with that same op,
+vLLM's C++ kernel (about twice torch's strided copy on K, which vec/vec16 keep transposed); a store
+reads each run of slots in a block with one strided copy per layer, K and V, or, for a layout that
+is no strided view (AMX), gathers element by element over the probed positions.
 
 LMCache's side of the data is KV_2LTD: [2, num_layers, num_tokens, num_kv_heads * head_size].
 """
@@ -55,6 +57,27 @@ def probe_block_layout(num_kv_heads: int, block_size: int, head_size: int, dtype
     return positions[0], positions[1]
 
 
+def strided_layout(layout: torch.Tensor) -> tuple[int, tuple[int, int, int]] | None:
+    """The offset and (token, head, dim) strides of a block layout that is a strided view of the block
+    (K and V on vec/vec16: V row-major, K transposed), so that a store reads it by strided copies; else None."""
+    offset = int(layout[0, 0, 0])
+    strides = tuple(int(layout[tuple(int(i == axis) for i in range(3))]) - offset if size > 1 else 0
+                    for axis, size in enumerate(layout.shape))
+    if min(strides) < 0:
+        return None
+    ranges = [torch.arange(size).view([-1 if i == axis else 1 for i in range(3)]) * stride
+              for axis, (size, stride) in enumerate(zip(layout.shape, strides))]
+    return (offset, strides) if torch.equal(offset + ranges[0] + ranges[1] + ranges[2], layout) else None
+
+
+def slot_runs(slots: torch.Tensor, block_size: int) -> list[tuple[int, int, int]]:
+    """(first token, first slot, tokens) of each run of consecutive slots inside one block."""
+    breaks = ((slots[1:] != slots[:-1] + 1) | (slots[1:] % block_size == 0)).nonzero().flatten() + 1
+    starts = [0, *breaks.tolist()]
+    ends = [*starts[1:], len(slots)]
+    return list(zip(starts, slots[starts].tolist(), (end - start for start, end in zip(starts, ends))))
+
+
 class VLLMCPUPagedConnector:
     """GPUConnectorInterface for vLLM CPU's paged KV cache (registered as a subclass at install)."""
 
@@ -68,6 +91,8 @@ class VLLMCPUPagedConnector:
         self.isa = isa  # vLLM's attention ISA (None: the one vLLM's CPU backend picks for the cache)
         self.kvcaches: list[torch.Tensor] | None = None
         self._layout: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._strided: list | None = None
+        self._isa = ""
         self._block_size = 0
 
     @classmethod
@@ -83,48 +108,64 @@ class VLLMCPUPagedConnector:
             caches = kwargs["kvcaches"]
             self.kvcaches = list(caches.values()) if isinstance(caches, dict) else list(caches)
 
-    def _positions(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat indexes into a layer's storage of K and V for each slot: [tokens, heads, head_size]."""
+    def _probe(self) -> None:
+        """vLLM's attention ISA and block layout, probed once per block size."""
         assert self.kvcaches is not None, "kvcaches must be passed before moving KV"
         layer = self.kvcaches[0]
-        num_blocks, num_kv_heads, block_size, _ = layer.shape
+        block_size = layer.shape[2]
         if self._layout is None or block_size != self._block_size:
             from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-            isa = self.isa or _get_attn_isa(layer.dtype, block_size, self.head_size, self.kv_cache_dtype)
-            self._layout = probe_block_layout(num_kv_heads, block_size, self.head_size, layer.dtype, isa)
+            self._isa = self.isa or _get_attn_isa(layer.dtype, block_size, self.head_size, self.kv_cache_dtype)
+            self._layout = probe_block_layout(self.num_kv_heads, block_size, self.head_size, layer.dtype, self._isa)
+            strided = [strided_layout(layout) for layout in self._layout]
+            self._strided = strided if all(strided) else None
             self._block_size = block_size
-        slots = slots.to(torch.int64)
-        base = (slots // block_size * layer[0].numel()).view(-1, 1, 1)
-        offsets = slots % block_size
-        return base + self._layout[0][offsets], base + self._layout[1][offsets]
 
     def from_gpu(self, memory_obj, start: int, end: int, **kwargs: Any) -> None:
         """vLLM's KV for tokens [start, end) into the memory object (a store)."""
         self.initialize_kvcaches_ptr(**kwargs)
-        key_index, value_index = self._positions(kwargs["slot_mapping"][start:end])
-        tensor = memory_obj.tensor
-        tokens = end - start
+        self._probe()
+        slots = kwargs["slot_mapping"][start:end].to(torch.int64)
+        shape = (end - start, self.num_kv_heads, self.head_size)
+        block_size, block_numel = self._block_size, self.kvcaches[0][0].numel()
+        if self._strided is None:
+            base = (slots // block_size * block_numel).view(-1, 1, 1)
+            indexes = [base + layout[slots % block_size] for layout in self._layout]
+        else:
+            runs = slot_runs(slots, block_size)
         for layer_id, layer in enumerate(self.kvcaches):
             flat = layer.view(-1)
-            tensor[0, layer_id, :tokens] = flat[key_index].reshape(tokens, -1).to(tensor.dtype)
-            tensor[1, layer_id, :tokens] = flat[value_index].reshape(tokens, -1).to(tensor.dtype)
+            for which in (0, 1):
+                memory = memory_obj.tensor[which, layer_id, :end - start].view(shape)
+                if self._strided is None:
+                    memory.copy_(flat[indexes[which]])
+                    continue
+                offset, strides = self._strided[which]
+                for first, slot, count in runs:
+                    memory[first:first + count].copy_(flat.as_strided(
+                        (count, *shape[1:]), strides,
+                        flat.storage_offset() + offset + slot // block_size * block_numel
+                        + slot % block_size * strides[0]))
 
     def to_gpu(self, memory_obj, start: int, end: int, **kwargs: Any) -> None:
         """The memory object's KV into vLLM's cache for tokens [start, end) (a retrieve); tokens vLLM
         already holds from its own prefix cache are left as they are."""
+        from vllm import _custom_ops as ops
+
         self.initialize_kvcaches_ptr(**kwargs)
+        self._probe()
         skip = min(end - start, max(0, kwargs.get("vllm_cached_tokens", 0) - start))
         if skip == end - start:
             return
-        key_index, value_index = self._positions(kwargs["slot_mapping"][start + skip:end])
-        tensor = memory_obj.tensor
-        tokens = end - start - skip
+        slots = kwargs["slot_mapping"][start + skip:end].to(torch.int64)
+        shape = (end - start - skip, self.num_kv_heads, self.head_size)
         for layer_id, layer in enumerate(self.kvcaches):
-            flat = layer.view(-1)
-            shape = (tokens, self.num_kv_heads, self.head_size)
-            flat[key_index] = tensor[0, layer_id, skip:skip + tokens].reshape(shape).to(layer.dtype)
-            flat[value_index] = tensor[1, layer_id, skip:skip + tokens].reshape(shape).to(layer.dtype)
+            key, value = (memory_obj.tensor[which, layer_id, skip:end - start].reshape(shape).to(layer.dtype)
+                          for which in (0, 1))
+            key_cache, value_cache = layer.view(layer.shape[0], self.num_kv_heads, -1,
+                                                self.head_size).chunk(2, dim=2)
+            ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, self._isa)
 
     def batched_from_gpu(self, memory_objs, starts, ends, **kwargs: Any) -> None:
         for memory_obj, start, end in zip(memory_objs, starts, ends):
