@@ -9,7 +9,9 @@ for the project's tiny model (2 layers x 2 KV heads x 32, bf16) and a realistic 
 connector's rate over the copy's for the realistic shape at block 128 (goal >= 0.5).
 
 vLLM CPU's vec/vec16 layouts keep K transposed in each block (token-minor), so every load is an
-element-by-element transpose of K: that, not the gather, bounds the rate.
+element-by-element transpose of K: that, not the gather, bounds the rate. Both sides run on one
+thread: on a shared machine, an OpenMP barrier waiting on a descheduled thread stalls each of the
+connector's many calls, not the copy's one, and would measure the machine instead of the code.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ def measure(layers: int, heads: int, head_size: int, block_size: int, tokens: in
 
 
 def main() -> None:
+    torch.set_num_threads(1)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     ratio = 0.0
     for name, layers, heads, head_size, block_size, tokens in SHAPES:
