@@ -54,11 +54,18 @@ def test_two_applies_at_once_keep_both_records_and_pin_each_prompt_once(stack, t
     try:
         first, second = apply_at_once(stack, *sets)
         assert first["counts"]["pin"] == second["counts"]["pin"] == PROMPTS
-        recorded = {step["pin_id"] for answer in (first, second) for step in answer["steps"]}
-        assert set(ledger(tmp_path / "cache")) == recorded and len(recorded) == 2 * PROMPTS  # both kept
+        pinned, released = ({step["pin_id"] for answer in (first, second) for step in answer["steps"]
+                             if step["action"] == action} for action in ("pin", "release"))
+        assert len(pinned) == 2 * PROMPTS
+        # Whichever ran first (they overlap, or on a busy machine one ends before the other plans and the
+        # later version releases what it no longer lists): every pin made and not released is recorded.
+        before = set(ledger(tmp_path / "cache"))
+        assert before == pinned - released and before
 
+        own = {step["pin_id"] for step in first["steps"] if step["action"] == "pin"}
         again = apply_at_once(stack, sets[0], sets[0])  # the same file twice: the second finds it applied
-        assert sorted(answer["counts"]["pin"] + answer["counts"]["release"] for answer in again) == [0, PROMPTS]
+        changes = len(own - before) + len(before - own)
+        assert sorted(answer["counts"]["pin"] + answer["counts"]["release"] for answer in again) == [0, changes]
         assert set(ledger(tmp_path / "cache")) == {step["pin_id"] for step in first["steps"]}
         assert set(pin_counts(stack).values()) == {1}  # every chunk pinned once: one release frees it
     finally:  # leave the coordinator as found: as many unpins as each prompt holds pins

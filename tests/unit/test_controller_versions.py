@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 
 import yaml
 
@@ -32,11 +34,20 @@ def test_the_process_listening_on_a_port_is_found_with_the_lmcache_beside_its_mo
         server.listen()
         port = server.getsockname()[1]
         assert listening_pid(port) == os.getpid()
-        assert "python" in command_line(os.getpid())[0]
         assert loaded_lmcache_version(os.getpid()) == installed("lmcache")
         found = local_controller(f"http://127.0.0.1:{port}")
         assert found.lmcache_version == installed("lmcache") and found.worker_timeout_s == 300  # no flag: its default
     assert listening_pid(port) is None  # closed: nobody listens
+
+
+def test_a_process_command_line_is_read_whole():
+    argv = [sys.executable, "-c", "import time; time.sleep(30)", "--lmcache-worker-timeout", "7"]
+    child = subprocess.Popen(argv)
+    try:
+        assert command_line(child.pid) == argv
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_a_remote_controller_is_never_looked_for_here():
