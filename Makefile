@@ -13,10 +13,10 @@ test: setup lint
 	$(PY) -m pytest -n 3 --dist loadfile $(PYTEST_ARGS)
 
 # The in-memory layer, the pure functions, the commands and the property layer on a small budget:
-# under a minute, no servers started.
+# under 30 s on two cores, no servers started.
 test-fast: setup
 	$(PY) -m pytest tests/unit tests/fast tests/cli tests/property -q -m "not slow" --hypothesis-profile=quick \
-		$(PYTEST_ARGS)
+		-n 2 $(PYTEST_ARGS)
 
 lint: setup
 	$(PY) -m ruff check .

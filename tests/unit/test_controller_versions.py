@@ -12,6 +12,7 @@ import yaml
 from kvctl.core.controller_checks import local_controller, version_findings
 from kvctl.core.local_process import command_line, listening_pid, loaded_lmcache_version
 from kvctl.core.versions import installed
+from tests.helpers import wait_until
 
 
 def test_engines_on_another_version_than_the_controller_are_an_error_naming_them():
@@ -43,7 +44,8 @@ def test_the_process_listening_on_a_port_is_found_with_the_lmcache_beside_its_mo
 def test_a_process_command_line_is_read_whole():
     argv = [sys.executable, "-c", "import time; time.sleep(30)", "--lmcache-worker-timeout", "7"]
     child = subprocess.Popen(argv)
-    try:
+    try:  # the kernel shows the new command line once the child's exec has settled
+        wait_until(lambda: command_line(child.pid), 10, "the child's command line")
         assert command_line(child.pid) == argv
     finally:
         child.kill()
