@@ -14,7 +14,6 @@ import os
 import random
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.ttft_hit_vs_recompute import PROMPTS, ttft  # noqa: E402
+from benchmarks.ttft_hit_vs_recompute import PROMPTS, tiny_model_and_config, ttft  # noqa: E402
 from tests.helpers import free_port, start_vllm, stop_process, wait_until  # noqa: E402
 
 
@@ -52,16 +51,12 @@ def ms(values: list[float]) -> str:
 
 
 def main() -> None:
-    kvctl = str(Path(sys.executable).parent / "kvctl")
     words = Path(os.__file__).read_text().split()
     rng = random.Random(1)
     prompts = [" ".join(rng.choices(words, k=900)) for _ in range(PROMPTS)]
     with tempfile.TemporaryDirectory() as folder:
         root = Path(folder)
-        model = str(root / "tiny")
-        subprocess.run([kvctl, "-q", "model", "tiny", model], check=True, stdout=subprocess.DEVNULL)
-        subprocess.run([kvctl, "-q", "config", "init", "--out", str(root / "cfg"), "--tier", "cpu:1",
-                        "--internal-api-port-start", str(free_port())], check=True, stdout=subprocess.DEVNULL)
+        model = tiny_model_and_config(root)
         vllm_computed, vllm_hit = first_and_second(model, root / "vllm.log", [], {}, prompts)
         log = root / "lmcache.log"
         lmcache_computed, lmcache_hit = first_and_second(

@@ -43,16 +43,22 @@ def ttft(url: str, model: str, prompt: str) -> float:
     raise RuntimeError(f"no token streamed: {seen[:3]}")
 
 
+def tiny_model_and_config(root: Path) -> str:
+    """The project's tiny model and an LMCache configuration with a 1 GB CPU tier under `root`."""
+    kvctl = str(Path(sys.executable).parent / "kvctl")
+    model = str(root / "tiny")
+    subprocess.run([kvctl, "-q", "model", "tiny", model], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([kvctl, "-q", "config", "init", "--out", str(root / "cfg"), "--tier", "cpu:1",
+                    "--internal-api-port-start", str(free_port())], check=True, stdout=subprocess.DEVNULL)
+    return model
+
+
 def main() -> None:
     import httpx
 
-    kvctl = str(Path(sys.executable).parent / "kvctl")
     with tempfile.TemporaryDirectory() as folder:
         root = Path(folder)
-        model = str(root / "tiny")
-        subprocess.run([kvctl, "-q", "model", "tiny", model], check=True, stdout=subprocess.DEVNULL)
-        subprocess.run([kvctl, "-q", "config", "init", "--out", str(root / "cfg"), "--tier", "cpu:1",
-                        "--internal-api-port-start", str(free_port())], check=True, stdout=subprocess.DEVNULL)
+        model = tiny_model_and_config(root)
         port = free_port()
         log = root / "vllm.log"
         proc = start_vllm(model, log, port, ["--max-model-len", "4096", "--no-enable-prefix-caching",
