@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from kvctl.core.display import escape_controls
+from kvctl.core.common.display import escape_controls
 
 
 def default_format() -> str:
@@ -168,7 +168,7 @@ class Table:
 
 def printable(text: str, lines: bool = True) -> str:
     """`text` with control characters (terminal escapes, bidi overrides; newlines and tabs too unless
-    `lines`) escaped as kvctl.core.display.escape_controls writes them: a stored key or a server's
+    `lines`) escaped as kvctl.core.common.display.escape_controls writes them: a stored key or a server's
     message must never drive the terminal."""
     return escape_controls(text, keep_lines=lines)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import traceback
 from typing import Annotated
 
@@ -11,7 +12,7 @@ from typer.core import TyperGroup
 
 from kvctl.cli import completion
 from kvctl.cli.options import OutputFormat
-from kvctl.core.display import cut_long_words
+from kvctl.core.common.display import cut_long_words
 from kvctl.core.errors import EXIT_CODE_MEANINGS, ExitCode, KvctlError
 from kvctl.output import Output
 
@@ -120,6 +121,25 @@ def _summary_only() -> None:
     """Stands in for a command in the root help; never runs (the command's own module does)."""
 
 
+def command_tree():
+    """The root command with every command real: what the completion scripts describe."""
+    return typer.main.get_command(__getattr__("app"))
+
+
+def _show_completion(ctx: typer.Context, value: bool) -> None:
+    if value and not ctx.resilient_parsing:
+        print(completion.render(completion.detect_shell(), command_tree()), end="")
+        raise typer.Exit()
+
+
+def _install_completion(ctx: typer.Context, value: bool) -> None:
+    if value and not ctx.resilient_parsing:
+        shell = completion.detect_shell()
+        target = completion.install_script(shell, command_tree())
+        print(f"installed {shell} completion in {target}; open a new shell to use it", file=sys.stderr)
+        raise typer.Exit()
+
+
 # Options that belong to the root but that users type anywhere ("kvctl config validate x --format json").
 GLOBAL_FLAGS = ("--debug", "-q", "--quiet")
 GLOBAL_VALUED = ("--format",)
@@ -136,17 +156,18 @@ def root(
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="Only data on stdout and errors on stderr.")] = False,
     show_completion: Annotated[
         bool, typer.Option("--show-completion", help="Print the completion script for your shell.", is_eager=True,
-                           callback=completion.show_completion_callback, expose_value=False),
+                           callback=_show_completion, expose_value=False),
     ] = False,
     install_completion: Annotated[
         bool, typer.Option("--install-completion", help="Install completion for your shell.", is_eager=True,
-                           callback=completion.install_completion_callback, expose_value=False),
+                           callback=_install_completion, expose_value=False),
     ] = False,
 ) -> None:
     ctx.obj = Output(output_format.value if output_format else None, quiet=quiet)
-    from kvctl.core import instances
+    ctx.meta[completion.COMMAND_TREE] = command_tree
+    from kvctl.core.instance import addresses
 
-    instances.announce_inventory = lambda path: ctx.obj.info(f"using the inventory {path}")
+    addresses.announce_inventory = lambda path: ctx.obj.info(f"using the inventory {path}")
 
 
 def hoist_global_options(argv: list[str]) -> list[str]:

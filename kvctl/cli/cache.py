@@ -1,5 +1,5 @@
 """`kvctl ls`, `pin` (a group too: `pin apply`, kvctl.cli.pinsets), `unpin`, `pins`: what an instance
-holds and what it keeps. Each command opens the instance (kvctl.core.instance) and asks it one thing;
+holds and what it keeps. Each command opens the instance (kvctl.core.instance.protocol) and asks it one thing;
 how an in-process engine, an MP server or a configuration with no engine answers is theirs to know.
 
 MP pins without a known coordinator are refused with exit 2 (usage): kvctl has no pin of its own
@@ -28,8 +28,8 @@ from kvctl.cli.options import (
     VllmOption,
     tier_names,
 )
-from kvctl.core.durations import parse_duration
 from kvctl.core.errors import ExitCode, UsageError
+from kvctl.core.pins.durations import parse_duration
 from kvctl.output import Table
 
 __all__ = ["ls", "pin", "pin_app", "pins", "unpin", "parse_duration"]
@@ -107,7 +107,7 @@ def pin(
                              f"'{ctx.invoked_subcommand}' (got {', '.join(given)} before it)",
                              hint=f"see 'kvctl pin {ctx.invoked_subcommand} --help'")
         return
-    from kvctl.core.tokens import PromptSource
+    from kvctl.core.lmcache.tokens import PromptSource
 
     ttl_s = parse_duration(ttl) if ttl else None
     prompt = PromptSource(prompt_file, chat, tokens_file)
@@ -141,7 +141,7 @@ def unpin(
     timeout: TimeoutOption = 30.0, coordinator: CoordinatorOption = None,
 ) -> None:
     """Release pins: one by id, every pin holding a prompt's chunks, or all (MP: one pin of a prompt)."""
-    from kvctl.core.tokens import PromptSource
+    from kvctl.core.lmcache.tokens import PromptSource
 
     prompt = PromptSource(prompt_file, chat, tokens_file)
     if sum(bool(x) for x in (pin_id, prompt.given, everything)) != 1:

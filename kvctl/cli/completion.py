@@ -18,12 +18,12 @@ EVERYWHERE = ("--format", "--debug", "-q", "--quiet")  # root options that kvctl
 ROOT_ONLY = ("--show-completion", "--install-completion")
 DYNAMIC_VALUES = {"--model": "models", "--instance": "instances"}
 HELP = ("-h", "--help")
+COMMAND_TREE = "kvctl.command_tree"  # ctx.meta: the whole CLI's root command, built on demand by the root
 
 
-def command_specs():
-    """The CLI as the completion renderers see it, read from the Typer app itself."""
-    from kvctl.cli.app import app as root_app
-    from kvctl.core.completion_scripts import CommandSpec, OptionSpec
+def command_specs(root):
+    """The CLI as the completion renderers see it, read from its root command (the Typer app's click group)."""
+    from kvctl.core.completion.scripts import CommandSpec, OptionSpec
 
     def value_kind(param) -> tuple[tuple[str, ...], str | None]:
         """(choices, "file"/"dir"/None) from Typer's description of the parameter's type."""
@@ -46,7 +46,6 @@ def command_specs():
             dynamic=next((DYNAMIC_VALUES[name] for name in names if name in DYNAMIC_VALUES), None),
         )
 
-    root = typer.main.get_command(root_app)
     root_options = [option_spec(p) for p in root.params if p.param_type_name == "option" and not p.hidden]
     shared = [spec for spec in root_options if set(spec.names) & set(EVERYWHERE)]
     help_spec = OptionSpec(HELP, "Show help and exit.")
@@ -76,10 +75,11 @@ def _listed(command) -> dict:
     return {name: command.commands[name] for name in command.list_commands(None) if not command.commands[name].hidden}
 
 
-def render(shell: str) -> str:
-    from kvctl.core.completion_scripts import RENDERERS
+def render(shell: str, root) -> str:
+    """The script for `shell` over `root`, the whole CLI's root command (every command real)."""
+    from kvctl.core.completion.scripts import RENDERERS
 
-    return RENDERERS[shell](command_specs())
+    return RENDERERS[shell](command_specs(root))
 
 
 def detect_shell() -> str:
@@ -90,7 +90,7 @@ def detect_shell() -> str:
     return name
 
 
-def install_script(shell: str) -> Path:
+def install_script(shell: str, root) -> Path:
     """Write the script where the shell finds it; add one line to the rc file when the shell needs it."""
     home = Path(os.path.expanduser("~"))
     if shell == "fish":
@@ -102,7 +102,7 @@ def install_script(shell: str) -> Path:
         target, rc_file = home / ".bash_completions/kvctl.sh", home / ".bashrc"
         rc_line = "source ~/.bash_completions/kvctl.sh"
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(render(shell))
+    target.write_text(render(shell, root))
     if rc_file is not None:
         existing = rc_file.read_text() if rc_file.exists() else ""
         if rc_line not in existing:
@@ -115,7 +115,7 @@ def install_script(shell: str) -> Path:
 def show(ctx: typer.Context, shell: Annotated[Shell | None, typer.Argument(help="bash, zsh or fish (default: "
                                                                             "from $SHELL).")] = None) -> None:
     """Print the completion script (the same text as completions/ in kvctl's repository)."""
-    ctx.obj.text(render(shell.value if shell else detect_shell()))
+    ctx.obj.text(render(shell.value if shell else detect_shell(), ctx.meta[COMMAND_TREE]()))
 
 
 @app.command("install")
@@ -123,27 +123,13 @@ def install(ctx: typer.Context, shell: Annotated[Shell | None, typer.Argument(he
                                                                                "from $SHELL).")] = None) -> None:
     """Install the completion script for your shell (takes effect in a new shell)."""
     chosen = shell.value if shell else detect_shell()
-    target = install_script(chosen)
+    target = install_script(chosen, ctx.meta[COMMAND_TREE]())
     ctx.obj.emit({"shell": chosen, "path": str(target)}, [])
     ctx.obj.success(f"installed {chosen} completion in {target}; open a new shell to use it")
 
 
-def show_completion_callback(ctx: typer.Context, value: bool) -> None:
-    if value and not ctx.resilient_parsing:
-        print(render(detect_shell()), end="")
-        raise typer.Exit()
-
-
-def install_completion_callback(ctx: typer.Context, value: bool) -> None:
-    if value and not ctx.resilient_parsing:
-        shell = detect_shell()
-        target = install_script(shell)
-        print(f"installed {shell} completion in {target}; open a new shell to use it", file=__import__("sys").stderr)
-        raise typer.Exit()
-
-
 def complete_values(kind: Annotated[str, typer.Argument()], prefix: Annotated[str, typer.Argument()] = "") -> None:
     """Candidates for a dynamic value, one per line (called by the completion scripts)."""
-    from kvctl.core.completion_values import print_values
+    from kvctl.core.completion.values import print_values
 
     print_values(kind, prefix)

@@ -49,9 +49,9 @@ def init(
     force: Annotated[bool, typer.Option(help="Replace existing files.")] = False,
 ) -> None:
     """Write a working LMCache configuration that kvctl can manage."""
-    from kvctl.core.config_init import ConfigRequest, build_config, write_files
-    from kvctl.core.lmcache_config import redact
-    from kvctl.core.tiers import parse_tier
+    from kvctl.core.config.init import ConfigRequest, build_config, write_files
+    from kvctl.core.lmcache.config import redact
+    from kvctl.core.lmcache.tiers import parse_tier
 
     request = ConfigRequest(
         mode=mode.value, tiers=[parse_tier(text) for text in tier or []], chunk_size=chunk_size,
@@ -92,8 +92,8 @@ def validate(
                                           "(when lmcache is installed).")] = True,
 ) -> None:
     """Check a configuration; exit 1 on any error. LMCache's warnings and silent drops become errors."""
-    from kvctl.core.config_validate import validate as run_validation
-    from kvctl.core.display import PATH_CHARS, shown
+    from kvctl.core.common.display import PATH_CHARS, shown
+    from kvctl.core.config.validate import validate as run_validation
 
     report = run_validation(file, mode=mode.value if mode else None, block_size=block_size, use_lmcache=lmcache)
     out = ctx.obj
@@ -121,7 +121,7 @@ def show(
                                           "defaults.")] = False,
 ) -> None:
     """Show the effective LMCache settings: defaults < file < LMCACHE_* environment < vLLM extra config."""
-    from kvctl.core.config_show import effective_settings
+    from kvctl.core.config.show import effective_settings
 
     target = file or (Path(os.environ["LMCACHE_CONFIG_FILE"]) if os.environ.get("LMCACHE_CONFIG_FILE") else None)
     settings = effective_settings(target, dict(os.environ))

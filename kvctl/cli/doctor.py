@@ -43,7 +43,7 @@ def doctor(ctx: typer.Context, instance: FleetInstance = None, state: StateOptio
     --config DIR alone checks a configuration with no engine; --instance all checks the inventory's fleet.
     Exit 1 on any error-level finding.
     """
-    from kvctl.core.doctor import diagnose
+    from kvctl.core.diagnose.doctor import diagnose
 
     report = diagnose(selector(instance, state, inventory, config), timeout)
     payload = report.as_dict()

@@ -1,4 +1,4 @@
-"""`kvctl evict`: plan, confirm, execute. The instance plans (kvctl.core.instance.EvictionPlan), the
+"""`kvctl evict`: plan, confirm, execute. The instance plans (kvctl.core.instance.protocol.EvictionPlan), the
 user sees and confirms exactly that plan, and only the planned chunks are removed. A configuration
 directory alone (--config, no --instance) is evicted with no engine: its disk directory and Redis."""
 
@@ -57,8 +57,8 @@ def evict(
     With --instance all, every instance of the inventory plans at once, one question covers them all,
     and each evicts its own.
     """
-    from kvctl.core.instance import Selection
-    from kvctl.core.tokens import PromptSource
+    from kvctl.core.instance.protocol import Selection
+    from kvctl.core.lmcache.tokens import PromptSource
 
     prompt = PromptSource(prompt_file, chat, tokens_file)
     if sum((prompt.given, bool(key), everything)) != 1 and not (tier and not prompt.given and not key):
@@ -118,7 +118,8 @@ def _evict_fleet(out, chosen, plan, dry_run: bool, yes: bool, timeout: float) ->
     """Plan on every instance at once, ask once for the total, then evict on each that planned."""
     from collections import Counter
 
-    from kvctl.core.instances import Address, FleetReport, fan_out
+    from kvctl.core.instance.address import Address
+    from kvctl.core.instance.addresses import FleetReport, fan_out
 
     planned = run_fleet(chosen, plan, timeout)
     plans = {outcome.instance: outcome.result for outcome in planned.succeeded()}

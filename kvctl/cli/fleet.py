@@ -10,13 +10,13 @@ import typer
 
 
 def selector(instance=None, state=None, inventory=None, config=None, vllm_url=None, coordinator=None, **keys):
-    from kvctl.core.instance import Selector
+    from kvctl.core.instance.opening import Selector
 
     return Selector(instance, state, config, inventory, vllm_url, coordinator, **keys)
 
 
 def open_one(chosen):
-    from kvctl.core.instance import open_instance
+    from kvctl.core.instance.opening import open_instance
 
     return open_instance(chosen)
 
@@ -24,12 +24,12 @@ def open_one(chosen):
 def run_fleet(chosen, operation: Callable[[Any], Any], timeout: float):
     """`operation(instance)` on every fleet member at once (the inventory's, or a controller's; each
     opened on its own thread)."""
-    from kvctl.core import instances
-    from kvctl.core.instance import open_instance
+    from kvctl.core.instance import addresses
+    from kvctl.core.instance.opening import open_instance
 
-    members = instances.resolve(chosen.instance, chosen.state, chosen.inventory)
-    outcomes = instances.fan_out(members, lambda address: operation(open_instance(chosen, address)), timeout)
-    return instances.FleetReport(outcomes)
+    members = addresses.resolve(chosen.instance, chosen.state, chosen.inventory)
+    outcomes = addresses.fan_out(members, lambda address: operation(open_instance(chosen, address)), timeout)
+    return addresses.FleetReport(outcomes)
 
 
 def on_instances(out, chosen, operation: Callable[[Any], Any], tables: Callable[..., list], timeout: float) -> None:

@@ -33,9 +33,9 @@ def keys(
     world_size: WorldSize = 1, hash_seed: HashSeed = None, vllm_url: VllmOption = None,
 ) -> None:
     """Print the chunk keys LMCache makes for a prompt (per rank in tensor-parallel deployments)."""
-    from kvctl.core.keys import prompt_chunk_keys
-    from kvctl.core.target import target_from_config
-    from kvctl.core.tokens import PromptSource
+    from kvctl.core.lmcache.deployment import target_from_config
+    from kvctl.core.lmcache.keys import prompt_chunk_keys
+    from kvctl.core.lmcache.tokens import PromptSource
 
     if config is None:
         raise UsageError("which deployment? kvctl needs its LMCache configuration",
@@ -64,8 +64,9 @@ def lookup(
 
     Side-effect free: never pins a chunk, never changes eviction order, never reads a value.
     """
-    from kvctl.core.controller_fleet import is_controller, routing
-    from kvctl.core.tokens import PromptSource
+    from kvctl.core.instance.controller_fleet import routing
+    from kvctl.core.lmcache.controller import is_controller
+    from kvctl.core.lmcache.tokens import PromptSource
 
     if offline and config is None:
         raise UsageError("--offline reads the tiers named in a configuration", hint="pass --config DIR")

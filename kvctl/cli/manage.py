@@ -1,5 +1,5 @@
 """`kvctl freeze`, `hot-cache`, `chunk-stats`, `conf`: LMCache's runtime switches and settings.
-Each command parses, opens the instance and calls kvctl.core.manage, which knows where in LMCache
+Each command parses, opens the instance and calls kvctl.core.admin.manage, which knows where in LMCache
 each thing lives and refuses (exit 2) what this kind of instance cannot do. A status that differs
 between an engine's workers is shown and exits 6."""
 
@@ -71,7 +71,7 @@ def freeze(ctx: typer.Context, state: SwitchArgument = Switch.status, instance: 
 
     Switched on every worker; `status` reports each worker (with --instance all, every instance).
     """
-    from kvctl.core import manage
+    from kvctl.core.admin import manage
 
     enabled = None if state is Switch.status else state is Switch.on
     run_one_or_fleet(ctx.obj, selector(instance, state_file, inventory), lambda found: manage.freeze(found, enabled),
@@ -85,7 +85,7 @@ def hot_cache(ctx: typer.Context, state: SwitchArgument = Switch.status, instanc
 
     Switched on every worker; `status` reports each worker (with --instance all, every instance).
     """
-    from kvctl.core import manage
+    from kvctl.core.admin import manage
 
     enabled = None if state is Switch.status else state is Switch.on
     run_one_or_fleet(ctx.obj, selector(instance, state_file, inventory),
@@ -109,7 +109,7 @@ def chunk_stats(ctx: typer.Context,
     chunk_statistics_strategy: file_hash, whose files name each request's chunks (the default bloom
     filter keeps counts only); it reads them from --dir or where the scheduler says they are.
     """
-    from kvctl.core import manage
+    from kvctl.core.admin import manage
 
     if action is StatsAction.top:
         found = None if directory else open_one(selector(instance, state_file, inventory))
@@ -161,7 +161,7 @@ def conf_get(ctx: typer.Context,
 
     Values that differ between the scheduler and the workers are marked (exit 6).
     """
-    from kvctl.core import manage
+    from kvctl.core.admin import manage
 
     run_one_or_fleet(ctx.obj, selector(instance, state_file, inventory),
                      lambda found: manage.conf_get(found, list(keys or [])), _conf_tables, timeout, True)
@@ -181,7 +181,7 @@ def conf_set(ctx: typer.Context,
     exit 2, nothing changed. So are values LMCache would misbehave on: min_retrieve_tokens below 0,
     blocking_timeout_secs below 1 (every Redis get would time out).
     """
-    from kvctl.core import manage
+    from kvctl.core.admin import manage
 
     values = manage.parse_assignments(assignments)
     run_one_or_fleet(ctx.obj, selector(instance, state_file, inventory),

@@ -36,7 +36,7 @@ def _tables(result, title: str | None = None) -> list:
 
 def _change(ctx: typer.Context, action: str, name: str | None, instance, state_file, inventory,
             dry_run: bool = False) -> None:
-    from kvctl.core import manage
+    from kvctl.core.admin import manage
 
     run_one_or_fleet(ctx.obj, selector(instance, state_file, inventory),
                      lambda found: manage.change_backend(found, action, name, dry_run), _tables, 0, False)
@@ -46,7 +46,7 @@ def _change(ctx: typer.Context, action: str, name: str | None, instance, state_f
 def ls(ctx: typer.Context, instance: FleetInstance = None, state_file: StateOption = None,
        inventory: InventoryOption = None, timeout: TimeoutOption = 30.0) -> None:
     """The backends of every worker: tier, LMCache's name and class, on how many workers, bypassed."""
-    from kvctl.core import manage
+    from kvctl.core.admin import manage
 
     run_one_or_fleet(ctx.obj, selector(instance, state_file, inventory), manage.backends, _tables, timeout, True)
 
@@ -67,7 +67,7 @@ def detach(ctx: typer.Context, name: NameArgument, dry_run: DryRun = False, yes:
     Its chunks stay where they are (a disk directory, Redis) but the engine stops reading and
     writing them. The CPU tier cannot be detached: it is LMCache's allocator.
     """
-    from kvctl.core import manage
+    from kvctl.core.admin import manage
 
     backend = manage.backend_name(name)
     if not dry_run:
@@ -122,7 +122,7 @@ def confirm(question: str, refusal: str, hint: str, yes: bool) -> None:
 
 def _quota(ctx: typer.Context, action: str, instance, state_file, inventory, salt=None, limit_gb=None,
            confirm_shrink=None) -> None:
-    from kvctl.core import manage
+    from kvctl.core.admin import manage
 
     result = manage.quota(open_one(selector(instance, state_file, inventory)), action, salt, limit_gb,
                           confirm_shrink)

@@ -21,8 +21,8 @@ def tiny(
 ) -> None:
     """Build a tiny Llama with a BPE tokenizer trained on Python's standard library: offline, deterministic,
     small enough for vLLM's CPU backend."""
-    from kvctl.core.paths import models_dir
-    from kvctl.core.tiny_model import MODEL_FILES, build_tiny_model, model_digest
+    from kvctl.core.common.paths import models_dir
+    from kvctl.core.serve.tiny_model import MODEL_FILES, build_tiny_model, model_digest
 
     target = (directory or models_dir() / "tiny").expanduser().absolute()
     existed = target.exists() and all((target / name).exists() for name in MODEL_FILES)

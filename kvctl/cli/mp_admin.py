@@ -1,5 +1,5 @@
 """`kvctl reconfigure` (an MP server's Device-DAX devices at runtime) and `kvctl checksums` (MD5 of a
-registered worker's KV blocks). Each parses, calls kvctl.core.mp_admin, renders; the server's
+registered worker's KV blocks). Each parses, calls kvctl.core.admin.mp_admin, renders; the server's
 refusals are exit 4 with its reason."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import typer
 from kvctl.cli.fleet import open_one, selector
 from kvctl.cli.manage_backends import Yes, confirm
 from kvctl.cli.options import InstanceOption, InventoryOption, StateOption
-from kvctl.core.display import format_bytes
+from kvctl.core.common.display import format_bytes
 from kvctl.output import Table
 
 
@@ -68,7 +68,7 @@ def _change_tables(change) -> list:
 def status(ctx: typer.Context, instance: InstanceOption = None, state_file: StateOption = None,
            inventory: InventoryOption = None) -> None:
     """The server's storage adapters and every Device-DAX device: capacity, used, state."""
-    from kvctl.core import mp_admin
+    from kvctl.core.admin import mp_admin
 
     result = mp_admin.status(open_one(selector(instance, state_file, inventory)))
     ctx.obj.emit(result.as_dict(), _status_tables(result))
@@ -76,7 +76,7 @@ def status(ctx: typer.Context, instance: InstanceOption = None, state_file: Stat
 
 def _change(ctx: typer.Context, action: str, device: str, size: str | None, mode: Mode | None, force: bool,
             adapter: int | None, tier: DaxTier, dry_run: bool, yes: bool, instance, state_file, inventory) -> None:
-    from kvctl.core import mp_admin
+    from kvctl.core.admin import mp_admin
 
     found = open_one(selector(instance, state_file, inventory))
     change = mp_admin.plan(found, action, tier.value, device, mp_admin.parse_size(size) if size else None,
@@ -139,7 +139,7 @@ def checksums(ctx: typer.Context,
     Compare two workers, or a block range before a store and after a retrieve: equal digests are
     equal bytes. The worker must have registered its KV cache (exit 4 otherwise).
     """
-    from kvctl.core import mp_admin
+    from kvctl.core.admin import mp_admin
 
     ids = mp_admin.parse_blocks(blocks)
     result = mp_admin.checksums(open_one(selector(instance, state_file, inventory)), ids, chunk_size, worker,

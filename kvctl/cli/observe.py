@@ -12,7 +12,7 @@ import typer
 
 from kvctl.cli.fleet import report_errors
 from kvctl.cli.options import FleetInstance, InventoryOption, StateOption, TimeoutOption
-from kvctl.core.display import format_bytes
+from kvctl.core.common.display import format_bytes
 from kvctl.core.errors import ExitCode
 from kvctl.output import Table
 
@@ -29,12 +29,12 @@ def health(ctx: typer.Context, instance: FleetInstance = None, state: StateOptio
 
 
 def health_frame(instance, state, inventory, timeout) -> tuple[dict[str, Any], list, ExitCode]:
-    from kvctl.core import instances as fleet
-    from kvctl.core.observe import Check, checks_as_dicts, health_exit_code, instance_health
+    from kvctl.core.diagnose.observe import Check, checks_as_dicts, health_exit_code, instance_health
+    from kvctl.core.instance import addresses
 
-    targets = fleet.resolve(instance, state, inventory)
-    redis = fleet.shared_redis(inventory)
-    outcomes = fleet.fan_out(targets, lambda target: instance_health(target, redis), timeout)
+    targets = addresses.resolve(instance, state, inventory)
+    redis = addresses.shared_redis(inventory)
+    outcomes = addresses.fan_out(targets, lambda target: instance_health(target, redis), timeout)
     every_check: list[Check] = []
     reports, rows = [], []
     for outcome in outcomes:
@@ -64,11 +64,11 @@ def stats(ctx: typer.Context, instance: FleetInstance = None, state: StateOption
 
 
 def stats_frame(instance, state, inventory, timeout) -> tuple[dict[str, Any], list, ExitCode]:
-    from kvctl.core import instances as fleet
-    from kvctl.core.observe import instance_stats
+    from kvctl.core.diagnose.observe import instance_stats
+    from kvctl.core.instance import addresses
 
-    outcomes = fleet.fan_out(fleet.resolve(instance, state, inventory), instance_stats, timeout)
-    reports, code = fleet.fleet_reports(outcomes, lambda stats: stats)
+    outcomes = addresses.fan_out(addresses.resolve(instance, state, inventory), instance_stats, timeout)
+    reports, code = addresses.fleet_reports(outcomes, lambda stats: stats)
     return {"instances": reports}, [item for report in reports for item in _stats_tables(report)], code
 
 

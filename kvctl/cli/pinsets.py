@@ -1,4 +1,4 @@
-"""`kvctl pin apply FILE`: make an instance's pins what a pin set file declares (kvctl.core.pinsets).
+"""`kvctl pin apply FILE`: make an instance's pins what a pin set file declares (kvctl.core.pins.pinsets).
 A subcommand of the `pin` group (kvctl.cli.cache.pin_app), whose own callback pins one prompt."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def apply(
     many are cached (pinned). MP: the coordinator's pins have no ids, so kvctl keeps a ledger of the
     set's pins per coordinator; entries there take no ttl or tiers.
     """
-    from kvctl.core import pinsets
+    from kvctl.core.pins import pinsets
 
     pin_set = pinsets.load(file)  # a bad file is one error, before any instance is asked
     chosen = selector(instance, state, inventory, config, vllm_url, coordinator)

@@ -43,8 +43,9 @@ def disable(ctx: typer.Context, kv_transfer_config: KvTransferOption, dry_run: D
 
 
 def _change(ctx: typer.Context, given: str, enable: bool, dry_run: bool, yes: bool) -> None:
-    from kvctl.core.plugins_enable import parse_kv_transfer_config, plan_change
-    from kvctl.core.safe_files import read_text
+    from kvctl.core.common.safe_files import read_text
+    from kvctl.core.config.plugins import plan_change
+    from kvctl.core.lmcache.config import parse_kv_transfer_config
 
     out = ctx.obj
     inline = given.lstrip().startswith("{")
@@ -68,7 +69,7 @@ def _rewrite(path: Path, before: str, after: dict) -> None:
     import os
     import tempfile
 
-    from kvctl.core.safe_files import read_text
+    from kvctl.core.common.safe_files import read_text
 
     if read_text(path) != before:
         raise UsageError(f"{path} changed while kvctl was reading it", hint="run the command again")

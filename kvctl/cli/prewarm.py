@@ -25,8 +25,8 @@ def prewarm(
     state: StateOption = None,
 ) -> None:
     """Send prompts to vLLM as prefill-only requests (max_tokens 1), then report what is cached, per prompt."""
-    from kvctl.core.prewarm import load_prompts
-    from kvctl.core.prewarm import prewarm as run_prewarm
+    from kvctl.core.cache.prewarm import load_prompts
+    from kvctl.core.cache.prewarm import prewarm as run_prewarm
 
     items = load_prompts(prompts, chat)
     found = open_one(selector(instance, state, vllm_url=vllm_url, kv_dtype="bfloat16"))

@@ -56,10 +56,10 @@ def serve(
 
     Extra vLLM arguments go after `--`. Ctrl-C (or SIGTERM) stops everything in order.
     """
-    from kvctl.core.display import shown
+    from kvctl.core.common.display import shown
     from kvctl.core.errors import UsageError
-    from kvctl.core.launch import build_plan, preflight
-    from kvctl.core.tiers import parse_tier
+    from kvctl.core.lmcache.tiers import parse_tier
+    from kvctl.core.serve.launch import build_plan, preflight
 
     out = ctx.obj
     extra_vllm_args = list(ctx.args)
@@ -90,9 +90,9 @@ def serve(
 def _pin_set(out, name: str, pins: Path | None) -> Path | None:
     """The pin set to apply after each start, checked now (a bad file stops serve before it starts
     anything); an inventory's `pins:` that cannot be read is a warning."""
-    from kvctl.core import pinsets
     from kvctl.core.errors import KvctlError
-    from kvctl.core.instances import pin_set_file
+    from kvctl.core.instance.addresses import pin_set_file
+    from kvctl.core.pins import pinsets
 
     if pins is None:
         try:
@@ -114,8 +114,8 @@ def _announce_lmcache_env(out, plan) -> None:
 
 
 def _run(out, plan, pins: Path | None = None) -> None:
-    from kvctl.core.launch import offload_endpoint, remove_state, write_state
-    from kvctl.core.supervisor import Supervisor
+    from kvctl.core.serve.launch import offload_endpoint, remove_state, write_state
+    from kvctl.core.serve.supervisor import Supervisor
 
     supervisor = Supervisor(plan)
     previous = {signum: signal.signal(signum, supervisor.request_stop) for signum in (signal.SIGINT, signal.SIGTERM)}
@@ -153,8 +153,8 @@ def _run(out, plan, pins: Path | None = None) -> None:
 
 def _apply_pins(out, state_file: Path, pins: Path) -> dict:
     """Apply the pin set to the engine just started: what it did, or (a warning; serve goes on) why not."""
-    from kvctl.core import pinsets
     from kvctl.core.errors import KvctlError
+    from kvctl.core.pins import pinsets
 
     try:
         result = pinsets.apply_after_start(state_file, pins)
@@ -169,8 +169,8 @@ def _apply_pins(out, state_file: Path, pins: Path) -> dict:
 
 
 def _ensure_tiny_model(plan, update) -> None:
-    from kvctl.core.paths import models_dir
-    from kvctl.core.tiny_model import build_tiny_model
+    from kvctl.core.common.paths import models_dir
+    from kvctl.core.serve.tiny_model import build_tiny_model
 
     if plan.model == str(models_dir() / "tiny"):
         update("building the tiny model")

@@ -1,4 +1,4 @@
-"""`kvctl snapshot save|load|ls`: move a warm cache between nodes as one file (kvctl.core.snapshot)."""
+"""`kvctl snapshot save|load|ls`: move a warm cache between nodes as one file (kvctl.core.cache.snapshot)."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def save(
     world size, chunk size, hash algorithm, hash seed), versions, each chunk's BLAKE3 checksum, and each saved
     prompt's token ids. Chunks no tier holds are reported (exit 6); nothing cached at all is an error.
     """
-    from kvctl.core import snapshot
+    from kvctl.core.cache import snapshot
 
     sources = _prompt_sources(prompt_file, chat, tokens_file, pin_set)
     if everything != (tier is not None) or not (sources or everything):
@@ -96,7 +96,7 @@ def load(
     directly. Nothing is written unless every check passes. Per saved prompt: the
     chunks now cached and the tokens a request would be served from the cache.
     """
-    from kvctl.core import snapshot
+    from kvctl.core.cache import snapshot
 
     if tier is Tier.all:
         raise UsageError("--tier all does not say where to write", hint="choose one of cpu, disk, redis")
@@ -134,7 +134,7 @@ def copy_live(
     move a warm prompt between nodes: LMCache's controller /move reports success on CPU machines while
     leaving all-zero chunks. Exit 6 when a chunk is missing, dropped or comes back different.
     """
-    from kvctl.core import snapshot
+    from kvctl.core.cache import snapshot
 
     if tier is Tier.all:
         raise UsageError("--tier all does not say where to write", hint="choose one of cpu, disk, redis")
@@ -159,13 +159,13 @@ def copy_live(
 
 def _prompt_sources(prompt_file, chat, tokens_file, pin_set) -> list:
     """(label, PromptSource) for each prompt given, a pin set's entries included."""
-    from kvctl.core.tokens import PromptSource
+    from kvctl.core.lmcache.tokens import PromptSource
 
     sources = ([(path, PromptSource(prompt_file=path)) for path in prompt_file or []]
                + [(path, PromptSource(chat=path)) for path in chat or []]
                + [(path, PromptSource(tokens_file=path)) for path in tokens_file or []])
     if pin_set is not None:
-        from kvctl.core import pinsets
+        from kvctl.core.pins import pinsets
 
         sources += [(entry.label, entry.source()) for entry in pinsets.load(pin_set).entries]
     return sources
@@ -174,7 +174,7 @@ def _prompt_sources(prompt_file, chat, tokens_file, pin_set) -> list:
 @app.command("ls")
 def list_snapshot(ctx: typer.Context, file: SnapshotFile) -> None:
     """What a snapshot holds: what made its keys, versions, its prompts and chunks."""
-    from kvctl.core import snapshot
+    from kvctl.core.cache import snapshot
 
     summary = snapshot.listing(file)
     facts = [(name, summary["keys"][name]) for name in snapshot.KEY_FIELDS]

@@ -9,7 +9,7 @@ from kvctl.output import Table
 
 def version(ctx: typer.Context) -> None:
     """Show the versions of kvctl, LMCache, vLLM, torch and Python, and whether this is a CPU or GPU machine."""
-    from kvctl.core.versions import version_report
+    from kvctl.core.lmcache.versions import version_report
 
     report = version_report()
     labels = {"vllm_distribution": "vllm distribution", "platform": "platform (cpu/gpu)"}

@@ -16,7 +16,7 @@ from kvctl.core.errors import RejectedError, RoutesAbsent, ServerError, Unreacha
 
 class RoutesTokens:
     """Which management server gets which routes token. An instance's token is granted to its own
-    servers' URLs when the instance is resolved (kvctl.core.instances) and to nothing else, so vLLM's
+    servers' URLs when the instance is resolved (kvctl.core.instance.addresses) and to nothing else, so vLLM's
     /tokenize, a coordinator or another fleet member never receives it."""
 
     def __init__(self) -> None:

@@ -1,7 +1,7 @@
 """The LMCache MP server's HTTP API (`lmcache server`, default http://127.0.0.1:8080): the stock
 0.5.6 endpoints kvctl uses and kvctl's /kvctl/v1 routes (kvctl_plugins.mp_routes).
 
-Keys are EncodedObjectKey dicts (kvctl.core.keys.ObjectKey.encoded()); tiers are "l1", "l2", "all".
+Keys are EncodedObjectKey dicts (kvctl.core.lmcache.keys.ObjectKey.encoded()); tiers are "l1", "l2", "all".
 """
 
 from __future__ import annotations

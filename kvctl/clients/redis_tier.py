@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 from kvctl.core.errors import KvctlError, RejectedError, ServerError, UnreachableError
-from kvctl.core.tiers import RedisURL
+from kvctl.core.lmcache.tiers import RedisURL
 
 BATCH = 4096
 VALUE_BATCH = 64  # chunk values per pipelined GET: a few MiB each at most

@@ -1,10 +1,10 @@
-"""Open the client that reads one store of a target (see kvctl.core.target.Store)."""
+"""Open the client that reads one store of a target (see kvctl.core.lmcache.deployment.Store)."""
 
 from __future__ import annotations
 
 from kvctl.clients.disk_tier import DiskTier
 from kvctl.clients.redis_tier import RedisTier
-from kvctl.core.target import DISK_SUFFIXES, REDIS_PATTERNS, Store
+from kvctl.core.lmcache.deployment import DISK_SUFFIXES, REDIS_PATTERNS, Store
 
 
 def open_store(store: Store) -> DiskTier | RedisTier:

@@ -5,12 +5,18 @@ import shutil
 import subprocess
 
 import pytest
+import typer
 
-from kvctl.cli.completion import render
-from kvctl.core.completion_scripts import SCRIPT_NAMES
+from kvctl.cli.app import app
+from kvctl.cli.completion import render as render_over
+from kvctl.core.completion.scripts import SCRIPT_NAMES
 from tests.helpers import REPO, VENV_BIN, run_kvctl
 
 SCRIPTS = REPO / "completions"
+
+
+def render(shell: str) -> str:
+    return render_over(shell, typer.main.get_command(app))
 
 
 @pytest.mark.parametrize("shell", ["bash", "zsh", "fish"])

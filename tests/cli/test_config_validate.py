@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from kvctl.core import platform
+from kvctl.core.serve import platform
 from tests.helpers import run_cli
 
 GOOD = {

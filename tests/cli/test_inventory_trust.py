@@ -3,7 +3,7 @@ where token ids go over a server's own coordinator."""
 
 import yaml
 
-from kvctl.core.mp_cache import coordinator_url
+from kvctl.core.instance.mp import coordinator_url
 from tests.helpers import edit_yaml, run_cli, run_kvctl
 
 

@@ -38,8 +38,8 @@ def test_config_init_writes_owner_only_files(tmp_path, mode_, tier):
 
 
 def test_mp_server_gets_the_redis_password_in_its_environment_not_its_command_line(tmp_path):
-    from kvctl.core.launch import build_plan
-    from kvctl.core.tiers import parse_tier
+    from kvctl.core.lmcache.tiers import parse_tier
+    from kvctl.core.serve.launch import build_plan
 
     tiers = [parse_tier("cpu:1"), parse_tier(f"redis://alice:{PASSWORD}@127.0.0.1:6390")]
     server = build_plan(model=None, mode="mp", tiers=tiers, config=None, start_coordinator=False,
@@ -138,8 +138,8 @@ def test_validate_findings_do_not_repeat_a_password(tmp_path):
 
 
 def test_serve_logs_are_owner_only(tmp_path):
-    from kvctl.core.launch import Component, LaunchPlan
-    from kvctl.core.supervisor import Supervisor, log_tail
+    from kvctl.core.serve.launch import Component, LaunchPlan
+    from kvctl.core.serve.supervisor import Supervisor, log_tail
 
     older = tmp_path / "logs" / "old.log"
     older.parent.mkdir()

@@ -32,7 +32,7 @@ RECOMPUTE_LOGPROB_TOLERANCE = 2**-6
 
 def prompt_with_short_tail(model_dir) -> tuple[str, int]:
     """A prompt of k*CHUNK + t tokens (k >= 4, 0 < t < VLLM_BLOCK), and that token count."""
-    from kvctl.core.tokens import LocalTokenizer
+    from kvctl.core.lmcache.tokens import LocalTokenizer
 
     tokenizer, text = LocalTokenizer(model_dir), open(PROMPT).read()
     for end in range(2500, len(text), 7):

@@ -11,9 +11,9 @@ import httpx
 import pytest
 import yaml
 
-from kvctl.core.config_init import mp_server_argv
-from kvctl.core.keys import MPKeyRecipe, mp_object_keys
-from kvctl.core.launch import MP_ROUTES_ARGV
+from kvctl.core.config.init import mp_server_argv
+from kvctl.core.lmcache.keys import MPKeyRecipe, mp_object_keys
+from kvctl.core.serve.launch import MP_ROUTES_ARGV
 from tests.helpers import free_port, http_json, run_kvctl, start_process, start_vllm, stop_process, wait_until
 
 

@@ -5,7 +5,7 @@ import json
 import httpx
 import pytest
 
-from kvctl.core.tokens import LocalTokenizer
+from kvctl.core.lmcache.tokens import LocalTokenizer
 from tests.helpers import free_port, start_vllm, stop_process, wait_until
 
 PROMPT = "def greet(name):\n    return f'Hello, {name}!'  # ünïcödé too\n" * 20

@@ -12,7 +12,7 @@ import pytest
 import typer.main
 
 from kvctl.core.errors import ServerError
-from kvctl.core.keys import KeyRecipe, key_string
+from kvctl.core.lmcache.keys import KeyRecipe, key_string
 from tests.fast.memory import MemoryInstance, MemoryStore, memory_keys
 from tests.helpers import run_cli
 
@@ -45,7 +45,7 @@ def without(before: dict[str, set[str]], chunks: list[dict[str, str]]) -> dict[s
 
 
 class Instances:
-    """What the patched kvctl.core.instance.open_instance returns: `one` when no fleet member is named,
+    """What the patched kvctl.core.instance.opening.open_instance returns: `one` when no fleet member is named,
     else the member of that name (replace one to make it fail or hang)."""
 
     def __init__(self, tmp_path) -> None:
@@ -70,7 +70,7 @@ class Instances:
 @pytest.fixture
 def instances(monkeypatch, tmp_path) -> Instances:
     chosen = Instances(tmp_path)
-    monkeypatch.setattr("kvctl.core.instance.open_instance", chosen.open)
+    monkeypatch.setattr("kvctl.core.instance.opening.open_instance", chosen.open)
     return chosen
 
 

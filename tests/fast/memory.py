@@ -1,10 +1,10 @@
 """In-memory implementations of kvctl's own protocols, for the fast tests.
 
-MemoryStore is a tier read directly (kvctl.core.instance.ChunkStore), MemorySource a store that answers
-presence questions (kvctl.core.lookup.Source). Both hold stored names in a set; `stored_names` writes the
+MemoryStore is a tier read directly (kvctl.core.instance.protocol.ChunkStore), MemorySource a store that answers
+presence questions (kvctl.core.cache.lookup.Source). Both hold stored names in a set; `stored_names` writes the
 names LMCache gives chunk keys on each layout, spelled out here rather than taken from the code under test.
 
-MemoryInstance is a whole instance (kvctl.core.instance.Instance) over MemoryStores, for running the CLI in
+MemoryInstance is a whole instance (kvctl.core.instance.protocol.Instance) over MemoryStores, for running the CLI in
 process; CoordinatorMemoryInstance pins as the MP coordinator does; FailingInstance and HangingInstance are
 fleet members that fail or never answer.
 """
@@ -17,9 +17,11 @@ import time
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 
-from kvctl.core.doctor import KeyFacts
+from kvctl.core.cache.listing import Chunk, Listing, TierListing, collect, selected
+from kvctl.core.cache.lookup import Chunk as LookupChunk
+from kvctl.core.cache.lookup import LookupResult
 from kvctl.core.errors import KvctlError, RejectedError, UnreachableError
-from kvctl.core.instance import (
+from kvctl.core.instance.protocol import (
     ChunkKeyed,
     CoordinatorPin,
     EvictionPlan,
@@ -32,11 +34,9 @@ from kvctl.core.instance import (
     Unsupported,
     plan_store_eviction,
 )
-from kvctl.core.keys import KeyRecipe, ObjectKey, key_string, parse_key
-from kvctl.core.listing import Chunk, Listing, TierListing, collect, selected
-from kvctl.core.lookup import Chunk as LookupChunk
-from kvctl.core.lookup import LookupResult
-from kvctl.core.target import DISK_SUFFIXES
+from kvctl.core.lmcache.deployment import DISK_SUFFIXES
+from kvctl.core.lmcache.key_facts import KeyFacts
+from kvctl.core.lmcache.keys import KeyRecipe, ObjectKey, key_string, parse_key
 
 
 class MemoryStore:
@@ -109,7 +109,7 @@ def memory_keys(tokens: Sequence[int], model: str) -> list[str]:
 
 
 class MemoryInstance(ChunkKeyed):
-    """kvctl.core.instance.Instance over MemoryStores: lists, evicts (plan_store_eviction, pinned keys kept
+    """kvctl.core.instance.protocol.Instance over MemoryStores: lists, evicts (plan_store_eviction, pinned keys kept
     unless forced) and pins (kvctl's typed pins, which hold a prompt's keys) in memory. `failing` names tiers
     whose listing fails with the given error, `notes` go into every listing; prompts come only as token-ids
     files."""

@@ -6,11 +6,7 @@ import os
 
 import pytest
 
-from kvctl.core.doctor import (
-    UNSET,
-    Finding,
-    KeyFacts,
-    Report,
+from kvctl.core.diagnose.doctor import (
     RouteGuard,
     compare_members,
     compare_with_config,
@@ -21,7 +17,9 @@ from kvctl.core.doctor import (
     retrieve_findings,
     secret_file_findings,
 )
-from kvctl.core.keys import KeyRecipe, disk_file_name, inprocess_keys
+from kvctl.core.diagnose.findings import Finding, Report
+from kvctl.core.lmcache.key_facts import UNSET, KeyFacts
+from kvctl.core.lmcache.keys import KeyRecipe, disk_file_name, inprocess_keys
 
 FACTS = dict(chunk_size=256, hash_algorithm="sha256_cbor", hash_seed="0", model="tiny", kv_dtype="half",
              world_size=1, lmcache_version="0.5.6", vllm_version="0.32.0")
@@ -200,7 +198,7 @@ def test_report_shape_and_exit_code():
 
 
 def test_mp_fs_files_are_chunks_not_strays(tmp_path):
-    from kvctl.core.keys import ObjectKey
+    from kvctl.core.lmcache.keys import ObjectKey
 
     for index in range(3):
         key = ObjectKey(bytes([index]) * 32, "org/tiny", 0x1000100)

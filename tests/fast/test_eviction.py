@@ -5,8 +5,8 @@ from dataclasses import replace
 
 import pytest
 
-from kvctl.core.instance import EvictionPlan, Selection, plan_store_eviction
-from kvctl.core.keys import KeyRecipe, inprocess_keys, key_string
+from kvctl.core.instance.protocol import EvictionPlan, Selection, plan_store_eviction
+from kvctl.core.lmcache.keys import KeyRecipe, inprocess_keys, key_string
 from tests.fast.memory import MemoryStore
 
 LLAMA = KeyRecipe("llama", chunk_size=16, hash_algorithm="sha256_cbor")

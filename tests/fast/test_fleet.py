@@ -6,7 +6,8 @@ import time
 import pytest
 
 from kvctl.core.errors import ExitCode, RejectedError, ServerError
-from kvctl.core.instances import Address, fan_out, fleet_exit_code, fleet_reports
+from kvctl.core.instance.address import Address
+from kvctl.core.instance.addresses import fan_out, fleet_exit_code, fleet_reports
 
 
 def behaviours(release: threading.Event):

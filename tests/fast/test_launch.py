@@ -5,10 +5,10 @@ import os
 
 import pytest
 
-from kvctl.core.config_init import ConfigRequest, build_config, write_files
+from kvctl.core.config.init import ConfigRequest, build_config, write_files
 from kvctl.core.errors import UsageError
-from kvctl.core.launch import build_plan, preflight, world_size
-from kvctl.core.tiers import parse_tier
+from kvctl.core.lmcache.tiers import parse_tier
+from kvctl.core.serve.launch import build_plan, preflight, world_size
 from tests.helpers import free_port
 
 

@@ -2,10 +2,10 @@
 
 import pytest
 
+from kvctl.core.cache.listing import Chunk, TierListing, _of_model, collect, disk_chunks, redis_pattern
 from kvctl.core.errors import KvctlError, UnreachableError
-from kvctl.core.keys import ObjectKey, kv_rank, parse_key
-from kvctl.core.listing import Chunk, TierListing, _of_model, collect, disk_chunks, redis_pattern
-from kvctl.core.target import Store
+from kvctl.core.lmcache.deployment import Store
+from kvctl.core.lmcache.keys import ObjectKey, kv_rank, parse_key
 
 
 def listed(tier, *keys):

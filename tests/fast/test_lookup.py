@@ -4,10 +4,10 @@ from dataclasses import replace
 
 import pytest
 
+from kvctl.core.cache.lookup import from_engine_answers, lookup
 from kvctl.core.errors import UnreachableError
-from kvctl.core.keys import KeyRecipe, MPKeyRecipe, inprocess_keys, mp_object_keys
-from kvctl.core.lookup import from_engine_answers, lookup
-from kvctl.core.target import Store, Target
+from kvctl.core.lmcache.deployment import Store, Target
+from kvctl.core.lmcache.keys import KeyRecipe, MPKeyRecipe, inprocess_keys, mp_object_keys
 from tests.fast.memory import MemorySource, stored_names
 
 RECIPE = KeyRecipe("org/tiny", chunk_size=16, hash_algorithm="sha256_cbor", hash_seed="0")

@@ -1,11 +1,11 @@
-"""The pure parts of kvctl.core.manage: KEY=VALUE parsing, the refusal list, backend names, and how
+"""The pure parts of kvctl.core.admin.manage: KEY=VALUE parsing, the refusal list, backend names, and how
 per-process answers fold into one status."""
 
 import pytest
 
-from kvctl.core import manage
+from kvctl.core.admin import manage
 from kvctl.core.errors import UsageError
-from kvctl.core.lmcache_schema import inprocess_keys
+from kvctl.core.lmcache.schema import inprocess_keys
 
 
 def test_assignments_are_typed_with_lmcache_rules():

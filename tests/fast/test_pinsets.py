@@ -1,4 +1,4 @@
-"""Pin sets (kvctl.core.pinsets): the file and its errors, the ids, the plan against an instance's pins and
+"""Pin sets (kvctl.core.pins.pinsets): the file and its errors, the ids, the plan against an instance's pins and
 its execution, and `kvctl pin apply` in process, on in-memory instances whose pins have ids."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from kvctl.core import pinsets
 from kvctl.core.errors import KvctlError, RejectedError
-from kvctl.core.instance import Pin, Unsupported
+from kvctl.core.instance.protocol import Pin, Unsupported
+from kvctl.core.pins import pinsets
 from tests.fast.conftest import PROMPT, PROMPT_FILE, sample_stores
 from tests.fast.memory import CoordinatorMemoryInstance, MemoryInstance, memory_keys
 
@@ -282,7 +282,7 @@ def test_pin_options_before_apply_are_a_usage_error(pinning, kvctl, tmp_path):
 
 
 def test_an_inventory_names_the_pin_set_serve_applies(tmp_path):
-    from kvctl.core.instances import pin_set_file
+    from kvctl.core.instance.addresses import pin_set_file
 
     inventory = tmp_path / "kvctl.yaml"
     inventory.write_text("instances:\n  a: {state: s.json, pins: sets/a.yaml}\n  b: {state: s.json}\n"

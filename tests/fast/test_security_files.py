@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import stat
 
-from kvctl.core.pin_ledger import Ledger
+from kvctl.core.pins.ledger import Ledger
 
 
 def mode(path) -> int:

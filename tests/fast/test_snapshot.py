@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvctl.core.doctor import KeyFacts
-from kvctl.core.instance import ChunkKeyed
+from kvctl.core.instance.protocol import ChunkKeyed
+from kvctl.core.lmcache.key_facts import KeyFacts
 from tests.fast.conftest import MODEL, OTHER_PROMPT, PROMPT, PROMPT_FILE, PROMPT_KEYS, contents
 from tests.fast.memory import MemoryInstance, MemoryStore, chunk_bytes, memory_keys, remote_metadata
 
@@ -20,7 +20,7 @@ from tests.fast.memory import MemoryInstance, MemoryStore, chunk_bytes, memory_k
 def target(instances, monkeypatch):
     """Node B: an instance that never saw the prompt, opened by --instance node-b (else instances.one)."""
     node_b = MemoryInstance("node-b", [MemoryStore("cpu"), MemoryStore("disk")])
-    monkeypatch.setattr("kvctl.core.instance.open_instance",
+    monkeypatch.setattr("kvctl.core.instance.opening.open_instance",
                         lambda selector, address=None: node_b if selector.instance == "node-b" else instances.one)
     return node_b
 
@@ -191,7 +191,7 @@ def test_a_manifest_naming_no_chunk_key_or_a_missing_member_is_refused(instances
 
 
 def test_a_manifest_too_large_to_load_is_never_saved(instances, kvctl, tmp_path, monkeypatch):
-    monkeypatch.setattr("kvctl.core.snapshot.MAX_MANIFEST_BYTES", 1000)
+    monkeypatch.setattr("kvctl.core.cache.snapshot.MAX_MANIFEST_BYTES", 1000)
     out, result = saved(kvctl, tmp_path, "--tokens-file", PROMPT_FILE)
     refused(result, 1, "more than the")
     assert not [name for name in os.listdir(tmp_path) if "kvsnap" in name]
@@ -222,13 +222,13 @@ class MPMemoryInstance(MemoryInstance):
 def test_a_snapshot_is_loaded_only_where_chunks_are_keyed_the_same_way(instances, kvctl, tmp_path, monkeypatch):
     out, _ = saved(kvctl, tmp_path, "--tokens-file", PROMPT_FILE)
     mp_node = MPMemoryInstance("mp-node", [MemoryStore("cpu")])
-    monkeypatch.setattr("kvctl.core.instance.open_instance", lambda selector, address=None: mp_node)
+    monkeypatch.setattr("kvctl.core.instance.opening.open_instance", lambda selector, address=None: mp_node)
     refused(kvctl("snapshot", "load", out, "--instance", "mp-node"), 2,
             "is keyed by an LMCache chunk key; mp-node (mp) keys chunks by an MP object key")
     assert contents(mp_node) == {"cpu": set()}
 
     plain = MemoryInstance("node-c", [MemoryStore("cpu")])
-    monkeypatch.setattr("kvctl.core.instance.open_instance", lambda selector, address=None: plain)
+    monkeypatch.setattr("kvctl.core.instance.opening.open_instance", lambda selector, address=None: plain)
     older = rewritten(out, lambda manifest: manifest["source"].pop("key_format"), tmp_path / "older.kvsnap")
     loaded = kvctl("snapshot", "load", older, "--instance", "node-c", "--format", "json")  # before key formats
     assert loaded.code == 0 and loaded.json()["written"] == {"cpu": 4}, loaded.stderr

@@ -2,8 +2,8 @@
 
 import pytest
 
-from kvctl.core.launch import Component
-from kvctl.core.supervisor import LogWatch, _vllm_headers
+from kvctl.core.serve.launch import Component
+from kvctl.core.serve.supervisor import LogWatch, _vllm_headers
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import pytest
 
 from kvctl.cli.cache import parse_duration
 from kvctl.core.errors import UsageError
-from kvctl.core.keys import KeyRecipe, disk_file_name, inprocess_keys
+from kvctl.core.lmcache.keys import KeyRecipe, disk_file_name, inprocess_keys
 from tests.helpers import KVCTL, free_port, http_json, run_kvctl, start_standalone_engine, stop_process, wait_until
 
 CHUNK = 256

@@ -13,7 +13,7 @@ from kvctl_plugins.wire import FRAME_LENGTH, FRAMES_TYPE, NEXT_HEADER, PREFIX, r
 
 from kvctl.clients.internal_api import InternalAPIClient
 from kvctl.core.errors import ServerError
-from kvctl.core.keys import KeyRecipe, inprocess_keys
+from kvctl.core.lmcache.keys import KeyRecipe, inprocess_keys
 from tests.helpers import http_json, run_kvctl, standalone_engine, wait_until
 
 CHUNK = 256

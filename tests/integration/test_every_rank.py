@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from kvctl.core.keys import KeyRecipe, disk_file_name, inprocess_keys
+from kvctl.core.lmcache.keys import KeyRecipe, disk_file_name, inprocess_keys
 from tests.helpers import free_port, http_json, run_kvctl, start_standalone_engine, stop_process, wait_until
 
 CHUNK = 256

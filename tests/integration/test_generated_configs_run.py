@@ -8,8 +8,8 @@ import psutil
 import pytest
 import yaml
 
-from kvctl.core.config_init import mp_server_argv
-from kvctl.core.lmcache_config import parse_env_file
+from kvctl.core.config.init import mp_server_argv
+from kvctl.core.lmcache.config import parse_env_file
 from tests.helpers import free_port, http_json, run_kvctl, start_process, stop_process, wait_until
 
 CHUNK = 256

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvctl.core.keys import (
+from kvctl.core.lmcache.keys import (
     INPROCESS_ALGORITHMS,
     MP_ALGORITHMS,
     KeyRecipe,

@@ -8,7 +8,7 @@ import sys
 import pytest
 import yaml
 
-from kvctl.core.keys import KeyRecipe, disk_file_name, inprocess_keys
+from kvctl.core.lmcache.keys import KeyRecipe, disk_file_name, inprocess_keys
 from tests.helpers import free_port, http_json, run_kvctl, start_process, stop_process, wait_until
 
 CHUNK = 256

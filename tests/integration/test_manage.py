@@ -8,8 +8,8 @@ import pytest
 import yaml
 
 from kvctl.clients.mp_server import MPServerClient
-from kvctl.core.config_init import mp_server_argv
-from kvctl.core.launch import MP_ROUTES_ARGV
+from kvctl.core.config.init import mp_server_argv
+from kvctl.core.serve.launch import MP_ROUTES_ARGV
 from tests.helpers import (
     free_port,
     http_json,

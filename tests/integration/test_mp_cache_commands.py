@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 from kvctl.clients.mp_server import MPServerClient
-from kvctl.core.config_init import mp_server_argv
-from kvctl.core.keys import MPKeyRecipe, mp_object_keys
-from kvctl.core.launch import MP_ROUTES_ARGV
+from kvctl.core.config.init import mp_server_argv
+from kvctl.core.lmcache.keys import MPKeyRecipe, mp_object_keys
+from kvctl.core.serve.launch import MP_ROUTES_ARGV
 from tests.helpers import STACK_ENV, free_port, http_json, run_cli, start_process, stop_process, wait_until
 from tests.integration.test_mp_l1_lookup import CHUNK, CHUNK_BYTES, MODEL, Server, tokens, write_tokens
 
@@ -287,7 +287,7 @@ def test_doctor_reads_a_real_mp_server_and_names_a_configuration_that_would_spli
 @pytest.mark.slow
 def test_pins_outlive_a_restart_of_the_coordinator_serve_starts(stack, tmp_path):
     """The coordinator exactly as `kvctl serve` starts it (its --metadata-path beside the logs)."""
-    from kvctl.core.launch import _coordinator
+    from kvctl.core.serve.launch import _coordinator
 
     stack.fresh()
     pinned = tokens(90, 2 * CHUNK)

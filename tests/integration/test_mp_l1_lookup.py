@@ -12,9 +12,9 @@ import pytest
 import yaml
 
 from kvctl.clients.mp_server import MPServerClient
-from kvctl.core.config_init import mp_server_argv
-from kvctl.core.keys import MPKeyRecipe, mp_object_keys
-from kvctl.core.launch import MP_ROUTES_ARGV
+from kvctl.core.config.init import mp_server_argv
+from kvctl.core.lmcache.keys import MPKeyRecipe, mp_object_keys
+from kvctl.core.serve.launch import MP_ROUTES_ARGV
 from tests.helpers import STACK_ENV, free_port, run_cli, start_process, stop_process, wait_until
 
 STORE_SCRIPT = Path(__file__).parent / "scripts" / "mp_store.py"

@@ -13,7 +13,7 @@ import pytest
 
 from kvctl.clients.mp_server import MPServerClient
 from kvctl.core.errors import ExitCode, RejectedError
-from kvctl.core.launch import MP_ROUTES_ARGV
+from kvctl.core.serve.launch import MP_ROUTES_ARGV
 from tests.helpers import STACK_ENV, free_port, run_cli, start_process, stop_process, wait_until
 
 REGISTER_SCRIPT = Path(__file__).parent / "scripts" / "mp_register.py"

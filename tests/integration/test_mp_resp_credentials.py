@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvctl.clients.mp_server import MPServerClient
-from kvctl.core.launch import build_plan
+from kvctl.core.serve.launch import build_plan
 from tests.helpers import STACK_ENV, free_port, run_cli, start_process, stop_process, wait_until
 
 STORE_SCRIPT = Path(__file__).parent / "scripts" / "mp_store.py"

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvctl.core.keys import MPKeyRecipe, mp_object_keys
+from kvctl.core.lmcache.keys import MPKeyRecipe, mp_object_keys
 from tests.helpers import run_kvctl
 from tests.integration.test_mp_cache_commands import native_keys, stack  # noqa: F401  (stack: the fixture)
 from tests.integration.test_mp_l1_lookup import CHUNK, MODEL, tokens

@@ -23,11 +23,11 @@ import yaml
 from kvctl_plugins.wire import frame_header, read_frames
 
 from kvctl.clients.mp_server import MPServerClient
-from kvctl.core.config_init import mp_server_argv
+from kvctl.core.config.init import mp_server_argv
 from kvctl.core.errors import RejectedError
-from kvctl.core.instance import Selector, open_instance
-from kvctl.core.keys import MPKeyRecipe, mp_object_keys
-from kvctl.core.launch import MP_ROUTES_ARGV
+from kvctl.core.instance.opening import Selector, open_instance
+from kvctl.core.lmcache.keys import MPKeyRecipe, mp_object_keys
+from kvctl.core.serve.launch import MP_ROUTES_ARGV
 from tests.conftest import RedisStarter
 from tests.helpers import STACK_ENV, free_port, run_cli, start_process, stop_process, wait_until
 from tests.integration.test_mp_l1_lookup import CHUNK, CHUNK_BYTES, MODEL, tokens, write_tokens

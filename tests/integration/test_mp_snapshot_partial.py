@@ -13,9 +13,9 @@ from blake3 import blake3
 
 from kvctl import __version__
 from kvctl.clients.mp_server import MPServerClient
-from kvctl.core.instance import Selector, open_instance
-from kvctl.core.keys import ObjectKey, kv_rank
-from kvctl.core.snapshot import KEY_FIELDS
+from kvctl.core.cache.snapshot import KEY_FIELDS
+from kvctl.core.instance.opening import Selector, open_instance
+from kvctl.core.lmcache.keys import ObjectKey, kv_rank
 from tests.helpers import run_cli, stop_process
 from tests.integration.test_mp_l1_lookup import CHUNK_BYTES, MODEL
 from tests.integration.test_mp_snapshot import Holder, configure, launch, wait_serving

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvctl.core.config_init import mp_server_argv
+from kvctl.core.config.init import mp_server_argv
 from kvctl.core.errors import UsageError
-from kvctl.core.instance import Selection, Unsupported
-from kvctl.core.keys import KeyRecipe, MPKeyRecipe, ObjectKey, disk_file_name, inprocess_keys, mp_object_keys
-from kvctl.core.launch import MP_ROUTES_ARGV
-from kvctl.core.offline import OfflineInstance
+from kvctl.core.instance.offline import OfflineInstance
+from kvctl.core.instance.protocol import Selection, Unsupported
+from kvctl.core.lmcache.keys import KeyRecipe, MPKeyRecipe, ObjectKey, disk_file_name, inprocess_keys, mp_object_keys
+from kvctl.core.serve.launch import MP_ROUTES_ARGV
 from tests.conftest import RedisStarter
 from tests.helpers import (
     STACK_ENV,

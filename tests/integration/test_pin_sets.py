@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kvctl.cli.serve import _apply_pins
-from kvctl.core import pinsets
+from kvctl.core.pins import pinsets
 from kvctl.output import Output
 from tests.helpers import free_port, http_json, run_kvctl, start_standalone_engine, stop_process, wait_until
 

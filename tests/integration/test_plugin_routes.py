@@ -7,7 +7,7 @@ import pytest
 
 from kvctl.clients.internal_api import InternalAPIClient
 from kvctl.core.errors import RejectedError
-from kvctl.core.keys import KeyRecipe, disk_file_name, inprocess_keys
+from kvctl.core.lmcache.keys import KeyRecipe, disk_file_name, inprocess_keys
 from tests.helpers import edit_yaml, free_port, http_json, run_kvctl, start_standalone_engine, stop_process, wait_until
 
 CHUNK = 256

@@ -4,7 +4,7 @@ against a real redis-server: the same answers as redis-py's, whatever the names 
 import pytest
 
 from kvctl.clients.redis_tier import BATCH, SCAN_COUNT, RedisTier
-from kvctl.core.tiers import parse_redis_url
+from kvctl.core.lmcache.tiers import parse_redis_url
 
 
 def test_scan_reads_every_name_exactly_over_many_pages(start_redis):

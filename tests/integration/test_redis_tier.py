@@ -4,7 +4,7 @@ import pytest
 
 from kvctl.clients.redis_tier import BATCH, RedisTier
 from kvctl.core.errors import RejectedError, UnreachableError
-from kvctl.core.tiers import parse_redis_url
+from kvctl.core.lmcache.tiers import parse_redis_url
 from tests.helpers import free_port
 
 

@@ -21,8 +21,8 @@ import pytest
 
 from kvctl.clients.redis_tier import RedisTier, split_eviction_risk
 from kvctl.core.errors import UnreachableError
-from kvctl.core.keys import KeyRecipe, inprocess_keys
-from kvctl.core.tiers import parse_redis_url
+from kvctl.core.lmcache.keys import KeyRecipe, inprocess_keys
+from kvctl.core.lmcache.tiers import parse_redis_url
 from tests.helpers import (
     free_port,
     http_json,

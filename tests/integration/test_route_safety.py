@@ -10,7 +10,7 @@ import pytest
 
 from kvctl.clients.mp_server import MPServerClient
 from kvctl.core.errors import RejectedError
-from kvctl.core.keys import disk_file_name
+from kvctl.core.lmcache.keys import disk_file_name
 from tests.helpers import http_json, wait_until
 from tests.integration.test_mp_l1_lookup import server  # noqa: F401 - the MP server fixture
 from tests.integration.test_plugin_routes import CHUNK, CHUNK_BYTES, CPU_GB, keys_of, running_engine, store, tokens

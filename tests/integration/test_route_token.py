@@ -10,8 +10,8 @@ from http.server import ThreadingHTTPServer
 import httpx
 import pytest
 
-from kvctl.core.config_init import ConfigRequest, build_config
-from kvctl.core.lmcache_config import parse_env_file
+from kvctl.core.config.init import ConfigRequest, build_config
+from kvctl.core.lmcache.config import parse_env_file
 from tests.helpers import (
     Answers200,
     free_port,

@@ -14,9 +14,9 @@ import httpx
 import pytest
 import yaml
 
-from kvctl.core import offline
-from kvctl.core.config_init import mp_server_argv
-from kvctl.core.launch import MP_ROUTES_ARGV
+from kvctl.core.config.init import mp_server_argv
+from kvctl.core.instance import offline
+from kvctl.core.serve.launch import MP_ROUTES_ARGV
 from tests.helpers import (
     Answers200,
     free_port,

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kvctl.core.launch import Component, LaunchPlan, build_plan
-from kvctl.core.supervisor import ChildFailed, Supervisor
+from kvctl.core.serve.launch import Component, LaunchPlan, build_plan
+from kvctl.core.serve.supervisor import ChildFailed, Supervisor
 from tests.helpers import KVCTL, REPO, free_port, proxy_answering_200, wait_until
 
 # A child process that answers 200 "ok" to every request and prints each request line.

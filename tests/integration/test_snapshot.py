@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvctl.core.keys import KeyRecipe, disk_file_name, inprocess_keys
+from kvctl.core.lmcache.keys import KeyRecipe, disk_file_name, inprocess_keys
 from tests.helpers import (
     edit_yaml,
     free_port,

@@ -13,8 +13,9 @@ from kvctl_plugins.wire import frame_header, read_frames
 
 from kvctl.clients.internal_api import InternalAPIClient
 from kvctl.core.errors import RejectedError
-from kvctl.core.instance import Selector, StoredChunk, open_instance
-from kvctl.core.keys import KeyRecipe, disk_file_name, inprocess_keys
+from kvctl.core.instance.opening import Selector, open_instance
+from kvctl.core.instance.protocol import StoredChunk
+from kvctl.core.lmcache.keys import KeyRecipe, disk_file_name, inprocess_keys
 from tests.helpers import http_json, standalone_engine, wait_until
 
 CHUNK = 256

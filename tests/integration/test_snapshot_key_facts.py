@@ -8,7 +8,7 @@ import tarfile
 
 import pytest
 
-from kvctl.core.keys import KeyRecipe, inprocess_keys
+from kvctl.core.lmcache.keys import KeyRecipe, inprocess_keys
 from tests.helpers import http_json, run_cli, run_kvctl, standalone_engine, wait_until
 
 CHUNK = 256

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import yaml
 
-from kvctl.core.config_init import mp_server_argv
+from kvctl.core.config.init import mp_server_argv
 from tests.helpers import (
     free_port,
     http_json,

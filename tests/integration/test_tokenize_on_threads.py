@@ -11,7 +11,7 @@ from tests.helpers import REPO
 SCRIPT = """
 import sys, threading
 sys.path.insert(0, {repo!r})
-from kvctl.core.tokens import LocalTokenizer
+from kvctl.core.lmcache.tokens import LocalTokenizer
 errors = []
 
 def load():

@@ -12,12 +12,22 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvctl.core import chunk_top, config_validate, instances, pinsets, prewarm, snapshot, tokens
-from kvctl.core.durations import parse_duration
+from kvctl.core.admin import chunk_top
+from kvctl.core.admin.mp_admin import parse_size
+from kvctl.core.cache import prewarm, snapshot
+from kvctl.core.config import validate
 from kvctl.core.errors import KvctlError
-from kvctl.core.lmcache_config import ConversionError, convert_value, env_value, parse_env_file
-from kvctl.core.mp_admin import parse_size
-from kvctl.core.plugins_enable import parse_kv_transfer_config
+from kvctl.core.instance import addresses
+from kvctl.core.lmcache import tokens
+from kvctl.core.lmcache.config import (
+    ConversionError,
+    convert_value,
+    env_value,
+    parse_env_file,
+    parse_kv_transfer_config,
+)
+from kvctl.core.pins import pinsets
+from kvctl.core.pins.durations import parse_duration
 from plugins.kvctl_plugins.wire import FRAME_LENGTH, read_frames
 from tests.property.strategies import JSON_VALUES, hostile_bytes, json_bytes, refused_in_one_line
 
@@ -90,8 +100,8 @@ INVENTORIES = st.fixed_dictionaries({"instances": st.dictionaries(st.text(max_si
 @given(hostile_bytes(json_bytes(INVENTORIES)))
 def test_inventories(scratch, content):
     path = written(scratch, "kvctl.yaml", content)
-    if not isinstance(refused_in_one_line(lambda: instances.read_inventory(path)), KvctlError):
-        refused_in_one_line(lambda: instances.resolve("all", inventory=path))
+    if not isinstance(refused_in_one_line(lambda: addresses.read_inventory(path)), KvctlError):
+        refused_in_one_line(lambda: addresses.resolve("all", inventory=path))
 
 
 STATS_LINES = st.lists(st.one_of(json_bytes(), json_bytes(st.fixed_dictionaries(
@@ -124,7 +134,7 @@ def test_configuration_directories(scratch, yaml_file, connector, env_file):
     written(directory, "lmcache.yaml", yaml_file)
     written(directory, "kv-transfer-config.json", connector)
     written(directory, "lmcache.env", env_file)
-    refused_in_one_line(lambda: config_validate.validate(directory, block_size=16, environ={}, use_lmcache=False))
+    refused_in_one_line(lambda: validate.validate(directory, block_size=16, environ={}, use_lmcache=False))
     refused_in_one_line(lambda: parse_kv_transfer_config(connector.decode(errors="replace"), "the connector"))
     refused_in_one_line(lambda: parse_env_file(env_file.decode(errors="replace")))
 

@@ -3,7 +3,7 @@ blocking_timeout_secs below 1 times out every Redis get), before any engine is a
 
 import pytest
 
-from kvctl.core import manage
+from kvctl.core.admin import manage
 from kvctl.core.errors import UsageError
 
 
@@ -20,6 +20,6 @@ def test_the_bounds_keep_the_useful_values():
 
 
 def test_every_bounded_key_is_a_number_kvctl_lets_conf_set_change():
-    from kvctl.core.lmcache_config import BOUNDS
+    from kvctl.core.lmcache.config import BOUNDS
 
     assert set(BOUNDS) <= set(manage.LIVE_KEYS)

@@ -4,11 +4,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvctl.core import platform
-from kvctl.core.config_init import ConfigRequest, build_config, mp_server_argv, write_files
+from kvctl.core.config.init import ConfigRequest, build_config, mp_server_argv, write_files
 from kvctl.core.errors import KvctlError, UsageError
-from kvctl.core.lmcache_config import parse_env_file
-from kvctl.core.tiers import parse_tier
+from kvctl.core.lmcache.config import parse_env_file
+from kvctl.core.lmcache.tiers import parse_tier
+from kvctl.core.serve import platform
 
 
 def tiers(*texts):

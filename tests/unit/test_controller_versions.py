@@ -9,9 +9,9 @@ import sys
 
 import yaml
 
-from kvctl.core.controller_checks import local_controller, version_findings
-from kvctl.core.local_process import command_line, listening_pid, loaded_lmcache_version
-from kvctl.core.versions import installed
+from kvctl.core.diagnose.controller_checks import local_controller, version_findings
+from kvctl.core.diagnose.local_process import command_line, listening_pid, loaded_lmcache_version
+from kvctl.core.lmcache.versions import installed
 from tests.helpers import wait_until
 
 

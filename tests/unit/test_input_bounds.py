@@ -6,13 +6,13 @@ import time
 
 import pytest
 
-from kvctl.core.display import redact_url, shown
+from kvctl.core.cache.prewarm import load_prompts
+from kvctl.core.common.display import redact_url, shown
+from kvctl.core.common.safe_files import MAX_FILE_BYTES, MAX_YAML_NODES, load_yaml, load_yaml_file, read_text
 from kvctl.core.errors import ExitCode, KvctlError, UsageError
-from kvctl.core.lmcache_config import ConversionError, convert_value
-from kvctl.core.prewarm import load_prompts
-from kvctl.core.safe_files import MAX_FILE_BYTES, MAX_YAML_NODES, load_yaml, load_yaml_file, read_text
-from kvctl.core.tiers import parse_tier
-from kvctl.core.tokens import read_chat, read_token_ids
+from kvctl.core.lmcache.config import ConversionError, convert_value
+from kvctl.core.lmcache.tiers import parse_tier
+from kvctl.core.lmcache.tokens import read_chat, read_token_ids
 
 
 def alias_bomb(levels: int = 9) -> str:

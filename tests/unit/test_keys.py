@@ -1,7 +1,7 @@
 
 import pytest
 
-from kvctl.core.keys import (
+from kvctl.core.lmcache.keys import (
     KeyRecipe,
     ObjectKey,
     UnreproducibleKeys,

@@ -1,6 +1,6 @@
 import pytest
 
-from kvctl.core.lmcache_config import (
+from kvctl.core.lmcache.config import (
     ConversionError,
     convert_value,
     effective_config,

@@ -3,8 +3,8 @@ which changes ask for a yes."""
 
 import pytest
 
+from kvctl.core.admin.mp_admin import MAX_BLOCKS, format_blocks, parse_blocks, parse_size, request_body, risk
 from kvctl.core.errors import UsageError
-from kvctl.core.mp_admin import MAX_BLOCKS, format_blocks, parse_blocks, parse_size, request_body, risk
 
 MIB = 1 << 20
 

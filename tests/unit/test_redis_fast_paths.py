@@ -7,8 +7,8 @@ import itertools
 import pytest
 
 from kvctl.clients.redis_tier import _command, _commands
-from kvctl.core.keys import KEY_DTYPES, parse_key
-from kvctl.core.listing import _lmcache_name
+from kvctl.core.cache.listing import _lmcache_name
+from kvctl.core.lmcache.keys import KEY_DTYPES, parse_key
 
 
 @pytest.mark.parametrize("suffixes", [("",), ("metadata",), ("kv_bytes", "metadata")])

@@ -1,8 +1,8 @@
 import pytest
 
-from kvctl.core.display import redact_url
+from kvctl.core.common.display import redact_url
 from kvctl.core.errors import ExitCode, UsageError
-from kvctl.core.tiers import parse_redis_url, parse_tier
+from kvctl.core.lmcache.tiers import parse_redis_url, parse_tier
 
 
 @pytest.mark.parametrize(

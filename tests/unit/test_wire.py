@@ -8,8 +8,8 @@ import sys
 import pytest
 from kvctl_plugins import wire
 
-from kvctl.core import lookup
-from kvctl.core.display import escape_controls, shown
+from kvctl.core.cache import lookup
+from kvctl.core.common.display import escape_controls, shown
 from kvctl.output import escape, printable
 
 T, F = True, False

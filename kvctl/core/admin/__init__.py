@@ -1,0 +1,1 @@
+"""LMCache's management surface: freeze, backends, conf, quotas, reconfiguration, chunk statistics."""

@@ -1,0 +1,1 @@
+"""The cache verbs: lookup, ls, prewarm, snapshots."""

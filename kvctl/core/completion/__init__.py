@@ -1,0 +1,1 @@
+"""Shell completion: static scripts and dynamic values."""

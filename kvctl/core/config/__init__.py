@@ -1,0 +1,1 @@
+"""`kvctl config` and `kvctl plugins`: writing, showing and validating configurations."""

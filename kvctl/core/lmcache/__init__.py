@@ -1,0 +1,1 @@
+"""LMCache's own rules as kvctl reads them: configuration, schema, chunk keys, tokens, tiers, versions."""

@@ -1,0 +1,1 @@
+"""Pins: pin sets, the MP pin ledger, TTL durations."""

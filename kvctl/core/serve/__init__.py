@@ -1,0 +1,1 @@
+"""`kvctl serve`: launch plans, the supervisor, the tiny model, the machine's facts."""
