@@ -41,7 +41,7 @@ def main() -> None:
     from lmcache.v1.metadata import LMCacheMetadata
     from lmcache.v1.token_database import ChunkedTokenDatabase
 
-    from kvctl.core.keys import KeyRecipe, inprocess_keys
+    from kvctl.core.lmcache.keys import KeyRecipe, inprocess_keys
 
     figures = []
     for algorithm in ("builtin", "sha256_cbor"):

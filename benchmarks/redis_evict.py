@@ -16,9 +16,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._redis_server import redis_benchmark, redis_server  # noqa: E402
-from kvctl.core.listing import redis_tier_keys, unlink_chunks  # noqa: E402
-from kvctl.core.target import Store  # noqa: E402
-from kvctl.core.tiers import parse_redis_url  # noqa: E402
+from kvctl.core.cache.listing import redis_tier_keys, unlink_chunks  # noqa: E402
+from kvctl.core.lmcache.deployment import Store  # noqa: E402
+from kvctl.core.lmcache.tiers import parse_redis_url  # noqa: E402
 
 CHUNKS = 100_000
 OTHERS = 10_000

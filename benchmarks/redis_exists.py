@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._redis_server import redis_benchmark, redis_server  # noqa: E402
 from kvctl.clients.redis_tier import RedisTier  # noqa: E402
-from kvctl.core.tiers import parse_redis_url  # noqa: E402
+from kvctl.core.lmcache.tiers import parse_redis_url  # noqa: E402
 
 CHUNKS = 100_000
 ROUNDS = 5

@@ -28,9 +28,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._redis_server import redis_server  # noqa: E402
-from kvctl.core import snapshot  # noqa: E402
-from kvctl.core.keys import KeyRecipe, disk_file_name, key_string  # noqa: E402
-from kvctl.core.offline import OfflineInstance  # noqa: E402
+from kvctl.core.cache import snapshot  # noqa: E402
+from kvctl.core.instance.offline import OfflineInstance  # noqa: E402
+from kvctl.core.lmcache.keys import KeyRecipe, disk_file_name, key_string  # noqa: E402
 
 RUNS = 5
 HEADER = bytes(28)  # an LMCache RemoteMetadata header's size (one KV group): its content is not read here
