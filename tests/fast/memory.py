@@ -37,6 +37,7 @@ from kvctl.core.instance.protocol import (
 from kvctl.core.lmcache.deployment import DISK_SUFFIXES
 from kvctl.core.lmcache.key_facts import KeyFacts
 from kvctl.core.lmcache.keys import KeyRecipe, ObjectKey, key_string, parse_key
+from kvctl.core.lmcache.tokens import PromptSource
 
 
 class MemoryStore:
@@ -135,7 +136,7 @@ class MemoryInstance(ChunkKeyed):
     def model_name(self, model: str | None = None) -> str:
         return model or self.model
 
-    def tokenize(self, prompt, model: str | None = None) -> list[int]:
+    def tokenize(self, prompt: PromptSource, model: str | None = None) -> list[int]:
         return prompt.token_ids(None)
 
     def list(self, tiers: Sequence[str] | None, model: str | None, limit: int) -> Listing:
@@ -182,7 +183,7 @@ class MemoryInstance(ChunkKeyed):
     def pins(self, model: str | None = None) -> PinList:
         return PinList([pin for pin, _keys in self.held.values()])
 
-    def prefetch(self, tokens: list[int]):
+    def prefetch(self, tokens: list[int]) -> dict[str, int]:
         raise Unsupported("a memory instance has no tier to prefetch from", hint="drop --from-tier")
 
     # -- snapshots: a chunk's bytes are kept in `data` (default: chunk_bytes(key)) -------------------

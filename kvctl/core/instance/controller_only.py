@@ -10,11 +10,25 @@ statistics, snapshots, kvctl's pins) is refused, naming how to reach it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
-from kvctl.core.instance.protocol import EvictionPlan, NoManagement, Selection, Unsupported
+from kvctl.core.instance.protocol import (
+    ControllerPin,
+    EvictionPlan,
+    NoManagement,
+    PinList,
+    Selection,
+    StoredChunk,
+    Unpinned,
+    Unsupported,
+)
+
+if TYPE_CHECKING:
+    from kvctl.core.cache.listing import Listing
+    from kvctl.core.cache.lookup import LookupResult
+    from kvctl.core.lmcache.key_facts import KeyFacts
+    from kvctl.core.lmcache.tokens import PromptSource
 
 LOCATIONS = {"cpu": "LocalCPUBackend", "disk": "LocalDiskBackend"}
 CLEARABLE = ("cpu",)  # LMCache 0.5.6 clears only LocalCPUBackend whole (disk and remote skip clear())
@@ -25,21 +39,6 @@ UNREACHED_HINT = ("configure it with kvctl config init --controller, or name its
 
 def tier_of(location: str) -> str:
     return next((tier for tier, name in LOCATIONS.items() if name == location), "redis")
-
-
-@dataclass
-class ControllerPin:
-    """A pin the controller made: LMCache holds the chunks until its pin timeout (it has no unpin)."""
-
-    location: str
-    pinned_tokens: int
-    columns = ("answered by", "location", "pinned tokens", "expires")
-
-    def rows(self) -> list[tuple]:
-        return [("controller", self.location, self.pinned_tokens, "at LMCache's pin timeout")]
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"answered_by": "controller", "location": self.location, "pinned_tokens": self.pinned_tokens}
 
 
 class ControllerOnlyInstance(NoManagement):
@@ -65,13 +64,13 @@ class ControllerOnlyInstance(NoManagement):
         return Unsupported(f"{what} needs the engine's internal API, which kvctl cannot find for {self.name} (only "
                            "its controller answers for it)", hint=UNREACHED_HINT)
 
-    def tokenize(self, prompt: Any, model: str | None = None) -> list[int]:
+    def tokenize(self, prompt: PromptSource, model: str | None = None) -> list[int]:
         from kvctl.core.lmcache.tokens import local_model_dir
 
         name = model or self.model  # a token-ids file needs none; a prompt, a local tokenizer's
         return prompt.token_ids(local_model_dir(name), None, name)
 
-    def lookup(self, tokens: list[int], model: str | None = None):
+    def lookup(self, tokens: list[int], model: str | None = None) -> LookupResult:
         """The controller's index answer for this instance: the prefix it holds and where."""
         from kvctl.core.cache.lookup import Diagnostic, LookupResult
 
@@ -105,7 +104,8 @@ class ControllerOnlyInstance(NoManagement):
                           "after, and pinned ones stay")
         return EvictionPlan({}, {}, [], cleared_whole=list(tiers), remove=clear)
 
-    def pin(self, tokens: list[int], ttl_s: float | None, tiers: Sequence[str] | None, model: str | None = None):
+    def pin(self, tokens: list[int], ttl_s: float | None, tiers: Sequence[str] | None,
+            model: str | None = None) -> ControllerPin:
         if ttl_s is not None:
             raise Unsupported("a pin through the controller has no TTL of kvctl's: LMCache holds it until its own "
                               "pin timeout (pin_timeout_sec)", hint="pin without --ttl")
@@ -113,32 +113,32 @@ class ControllerOnlyInstance(NoManagement):
             return ControllerPin(LOCATIONS["cpu"], controller.pin(self.name, LOCATIONS["cpu"], tokens))
 
     def unpin(self, *, pin_id: str | None = None, tokens: list[int] | None = None, everything: bool = False,
-              model: str | None = None):
+              model: str | None = None) -> Unpinned:
         raise Unsupported("LMCache's controller has no unpin: its pins end after the engine's pin timeout "
                           "(pin_timeout_sec)", hint=UNREACHED_HINT)
 
-    def pins(self, model: str | None = None):
+    def pins(self, model: str | None = None) -> PinList:
         raise self._refuse("listing pins")
 
     def pin_scope(self) -> str:
         return f"controller:{self.name}"
 
-    def list(self, tiers: Sequence[str] | None, model: str | None, limit: int):
+    def list(self, tiers: Sequence[str] | None, model: str | None, limit: int) -> Listing:
         raise self._refuse("listing chunks")
 
-    def prefetch(self, tokens: list[int]) -> dict[str, Any]:
+    def prefetch(self, tokens: list[int]) -> dict[str, int]:
         raise self._refuse("prefetching")
 
     def prompt_keys(self, tokens: list[int], model: str | None = None) -> list[str]:
         raise self._refuse("reading chunk keys")
 
-    def key_facts(self, model: str | None = None):
+    def key_facts(self, model: str | None = None) -> KeyFacts:
         raise self._refuse("a snapshot")
 
-    def read_chunks(self, keys: Sequence[str]):
+    def read_chunks(self, keys: Sequence[str]) -> Iterator[StoredChunk]:
         raise self._refuse("reading chunks")
 
-    def write_chunks(self, chunks, tier: str | None = None):
+    def write_chunks(self, chunks: Iterable[StoredChunk], tier: str | None = None) -> dict[str, dict[str, int]]:
         raise self._refuse("writing chunks")
 
     def stages_writes(self, tier: str | None = None) -> bool:

@@ -8,12 +8,20 @@ worker 0's port + r. A chunk counts once per rank it was taken from, as its keys
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvctl.core.instance.protocol import ChunkKeyed, NoManagement
 from kvctl.core.lmcache.keys import given_chunk_keys, parse_key
+
+if TYPE_CHECKING:
+    from kvctl.core.cache.listing import Listing
+    from kvctl.core.cache.lookup import LookupResult
+    from kvctl.core.instance.address import Address
+    from kvctl.core.instance.protocol import EvictionPlan, Pin, PinList, Selection, StoredChunk, Unpinned
+    from kvctl.core.lmcache.key_facts import KeyFacts
+    from kvctl.core.lmcache.tokens import PromptSource
 
 ROUTE_BATCH = 10_000  # keys per evict request: well inside the routes' body cap
 READ_BATCH = 64  # keys per chunks/read request (an answer that would pass the routes' byte cap stops early)
@@ -291,25 +299,25 @@ class InProcessInstance(ChunkKeyed, NoManagement):
     def model_name(self, model: str | None = None) -> str:
         return model or self.info["model"]
 
-    def tokenize(self, prompt, model: str | None = None) -> list[int]:
+    def tokenize(self, prompt: PromptSource, model: str | None = None) -> list[int]:
         from kvctl.core.lmcache.tokens import local_model_dir
 
         return prompt.token_ids(model or local_model_dir(self.info["model"]), self.address.vllm, self.info["model"])
 
     settle_s = 0.0  # the engine's own answer is current
 
-    def lookup(self, tokens: list[int], model: str | None = None):
+    def lookup(self, tokens: list[int], model: str | None = None) -> LookupResult:
         """Every worker's answer (the engine's own keys: `model` is its model)."""
         from kvctl.core.cache.lookup import engine_lookup
 
         return engine_lookup(self.workers.clients, self.info, tokens)
 
-    def list(self, tiers, model: str | None, limit: int):
+    def list(self, tiers: Sequence[str] | None, model: str | None, limit: int) -> Listing:
         from kvctl.core.cache.listing import collect, engine_listers
 
         return collect(engine_listers(self.workers.first, self.info, tiers, limit, model))
 
-    def plan_eviction(self, selection):
+    def plan_eviction(self, selection: Selection) -> EvictionPlan:
         from kvctl.core.instance.protocol import EvictionPlan
 
         chosen: dict[str, Any] = {"tiers": list(selection.tiers) if selection.tiers else None,
@@ -325,35 +333,35 @@ class InProcessInstance(ChunkKeyed, NoManagement):
 
         return EvictionPlan.from_dict(evict(self.workers, dry_run=True, **chosen), remove)
 
-    def pin(self, tokens: list[int], ttl_s: float | None, tiers, model: str | None = None,
-            pin_id: str | None = None, replace: bool = False):
+    def pin(self, tokens: list[int], ttl_s: float | None, tiers: Sequence[str] | None, model: str | None = None,
+            pin_id: str | None = None, replace: bool = False) -> Pin:
         return _typed_pin(pin(self.workers, tokens, ttl_s, list(tiers) if tiers else None, pin_id, replace))
 
     def unpin(self, *, pin_id: str | None = None, tokens: list[int] | None = None, everything: bool = False,
-              model: str | None = None):
+              model: str | None = None) -> Unpinned:
         from kvctl.core.instance.protocol import Unpinned
 
         released = unpin(self.workers, pin_id=pin_id, tokens=tokens, everything=everything)
         return Unpinned([_typed_pin(entry) for entry in released["unpinned"]])
 
-    def pins(self, model: str | None = None):
+    def pins(self, model: str | None = None) -> PinList:
         from kvctl.core.instance.protocol import PinList
 
         return PinList([_typed_pin(entry) for entry in pins(self.workers)])
 
-    def prefetch(self, tokens: list[int]) -> dict[str, Any]:
+    def prefetch(self, tokens: list[int]) -> dict[str, int]:
         return self.workers.first.prefetch(tokens)
 
-    def key_facts(self, model: str | None = None):
+    def key_facts(self, model: str | None = None) -> KeyFacts:
         """What makes the engine's keys, as doctor reads them from worker 0 (its own model: `model` is it)."""
         from kvctl.core.instance.running import read_running
 
         return read_running(self.address).facts
 
-    def read_chunks(self, keys) -> Iterator:
+    def read_chunks(self, keys: Sequence[str]) -> Iterator[StoredChunk]:
         return read_chunks(self.workers, keys)
 
-    def write_chunks(self, chunks, tier: str | None = None) -> dict[str, dict[str, int]]:
+    def write_chunks(self, chunks: Iterable[StoredChunk], tier: str | None = None) -> dict[str, dict[str, int]]:
         """{"written", "already", "dropped"}, each {tier: chunks}: "dropped" what a tier did not take
         (no room on a full disk tier, a failed remote put)."""
         return write_chunks(self.workers, chunks, tier)
@@ -361,11 +369,11 @@ class InProcessInstance(ChunkKeyed, NoManagement):
     def stages_writes(self, tier: str | None = None) -> bool:
         return False  # each request's chunks are stored as it is answered
 
-    def engine_address(self, feature: str):
+    def engine_address(self, feature: str) -> Address:
         return self.address
 
 
-def _typed_pin(entry: dict[str, Any]):
+def _typed_pin(entry: dict[str, Any]) -> Pin:
     from kvctl.core.instance.protocol import Pin
 
     return Pin(entry["pin_id"], entry["chunks"], entry["tokens"], entry["pinned"], entry.get("ttl_remaining_s"),

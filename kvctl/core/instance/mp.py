@@ -10,8 +10,9 @@ checked afterwards. Pins live in the LMCache coordinator: they hold chunks in L2
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvctl.core.cache.listing import disk_chunks, l1_entries, redis_tier_keys, stored_redis_keys
 from kvctl.core.errors import ServerError, UsageError
@@ -19,6 +20,13 @@ from kvctl.core.instance.addresses import coordinator_url
 from kvctl.core.instance.protocol import NoManagement
 from kvctl.core.lmcache.deployment import Store
 from kvctl.core.lmcache.keys import ObjectKey, given_object_keys, parse_object_key
+
+if TYPE_CHECKING:
+    from kvctl.core.cache.listing import Listing
+    from kvctl.core.cache.lookup import LookupResult
+    from kvctl.core.instance.protocol import CoordinatorPin, EvictionPlan, PinList, Selection, StoredChunk
+    from kvctl.core.lmcache.key_facts import KeyFacts
+    from kvctl.core.lmcache.tokens import PromptSource
 
 ADAPTER_TYPES = {"mp-fs": "fs", "mp-resp": "resp"}
 DELETE_BATCH = 10_000  # the most keys DELETE /cache/objects takes at once
@@ -173,7 +181,7 @@ class MPInstance(NoManagement):
         with MPServerClient(self.address.mp_http) as server:
             return registered_model(server, model)[1]
 
-    def tokenize(self, prompt, model: str | None = None) -> list[int]:
+    def tokenize(self, prompt: PromptSource, model: str | None = None) -> list[int]:
         from kvctl.core.lmcache.tokens import local_model_dir
 
         name = model or self.selector.model or self.address.model
@@ -183,7 +191,7 @@ class MPInstance(NoManagement):
 
     settle_s = 10.0  # the server writes L2 after answering: a report waits this long for every tier
 
-    def lookup(self, tokens: list[int], model: str | None = None):
+    def lookup(self, tokens: list[int], model: str | None = None) -> LookupResult:
         """The L2 stores of the server's configuration read directly, joined by its L1 answer; L1 alone,
         and said so, when the configuration is unknown (as `list` does)."""
         from kvctl.core.cache.lookup import read_tiers
@@ -198,7 +206,7 @@ class MPInstance(NoManagement):
         self.notes = [note for note in target.notes if note != MP_L1_UNCHECKED]
         return read_tiers(tokens, target, self.address.mp_http)
 
-    def _l1_lookup(self, tokens: list[int], model: str | None):
+    def _l1_lookup(self, tokens: list[int], model: str | None) -> LookupResult:
         """The server's own answer for its L1: its keys (every object group and rank), resident or not."""
         from kvctl_plugins.wire import hit_tokens
 
@@ -215,7 +223,7 @@ class MPInstance(NoManagement):
         return LookupResult(name, "mp", answer["chunk_size"], len(tokens), chunks,
                             hit_tokens(presence, [chunk.end - chunk.start for chunk in chunks]), ["cpu"])
 
-    def list(self, tiers, model: str | None, limit: int):
+    def list(self, tiers: Sequence[str] | None, model: str | None, limit: int) -> Listing:
         from kvctl.core.cache.listing import collect, config_stores, from_mp_l1, selected, store_listers
 
         url, config_dir = self.address.mp_http, self.address.config_dir
@@ -231,7 +239,7 @@ class MPInstance(NoManagement):
             raise UsageError(NO_COORDINATOR, hint=COORDINATOR_HINT)
         return url
 
-    def plan_eviction(self, selection):
+    def plan_eviction(self, selection: Selection) -> EvictionPlan:
         from kvctl.core.cache.listing import config_stores
         from kvctl.core.instance.protocol import EvictionPlan
 
@@ -246,7 +254,7 @@ class MPInstance(NoManagement):
 
         return EvictionPlan.from_dict(evict(target, dry_run=True, **chosen), remove)
 
-    def _pin_call(self, action: str, tokens: list[int], model: str | None):
+    def _pin_call(self, action: str, tokens: list[int], model: str | None) -> CoordinatorPin:
         from kvctl.clients.coordinator import CoordinatorClient
         from kvctl.core.instance.protocol import CoordinatorPin, Unsupported
 
@@ -259,7 +267,8 @@ class MPInstance(NoManagement):
             answer = getattr(client, action)(name, tokens, self._world_size(name))
         return CoordinatorPin(name, answer["requested"], answer["affected"], answer["status"])
 
-    def pin(self, tokens: list[int], ttl_s: float | None, tiers, model: str | None = None):
+    def pin(self, tokens: list[int], ttl_s: float | None, tiers: Sequence[str] | None,
+            model: str | None = None) -> CoordinatorPin:
         from kvctl.core.instance.protocol import Unsupported
 
         if ttl_s is not None or tiers:
@@ -268,7 +277,7 @@ class MPInstance(NoManagement):
         return self._pin_call("pin", tokens, model)
 
     def unpin(self, *, pin_id: str | None = None, tokens: list[int] | None = None, everything: bool = False,
-              model: str | None = None):
+              model: str | None = None) -> CoordinatorPin:
         from kvctl.core.instance.protocol import Unsupported
 
         if pin_id or everything:
@@ -280,13 +289,13 @@ class MPInstance(NoManagement):
         """Where this instance's pins live, fleet-wide: its coordinator (a pin set's ledger is kept per one)."""
         return self._coordinator()
 
-    def pins(self, model: str | None = None):
+    def pins(self, model: str | None = None) -> PinList:
         from kvctl.core.instance.protocol import PinList, PinnedKey
 
         held = coordinator_pins(self._coordinator(), model)
         return PinList([PinnedKey(pin["key"], pin["pin_count"]) for pin in held])
 
-    def prefetch(self, tokens: list[int]) -> dict[str, Any]:
+    def prefetch(self, tokens: list[int]) -> dict[str, int]:
         from kvctl.core.instance.protocol import Unsupported
 
         raise Unsupported("--from-tier needs an in-process instance with kvctl's routes",
@@ -294,7 +303,7 @@ class MPInstance(NoManagement):
 
     # -- snapshots: L1's objects through kvctl's MP routes, under their native keys ----------------
 
-    def key_facts(self, model: str | None = None):
+    def key_facts(self, model: str | None = None) -> KeyFacts:
         """What the server makes keys with (/status), and the model, world size and KV dtype vLLM
         registered: no MP key names the dtype, but bytes of another dtype and the same size would load
         and be read as garbage. None where the server cannot name the model."""
@@ -319,7 +328,7 @@ class MPInstance(NoManagement):
             answer = server.lookup(tokens, name, world_size)
         return [ObjectKey.from_encoded(key).native_key() for chunk in answer["chunks"] for key in chunk["keys"]]
 
-    def read_chunks(self, keys):
+    def read_chunks(self, keys: Sequence[str]) -> Iterator[StoredChunk]:
         from kvctl.clients.mp_server import MPServerClient
         from kvctl.core.instance.inprocess import client_chunks
 
@@ -327,7 +336,7 @@ class MPInstance(NoManagement):
         with MPServerClient(self.address.mp_http) as server:
             yield from client_chunks(server, names)
 
-    def write_chunks(self, chunks, tier: str | None = None) -> dict[str, dict[str, int]]:
+    def write_chunks(self, chunks: Iterable[StoredChunk], tier: str | None = None) -> dict[str, dict[str, int]]:
         """Into L1 ("cpu"): the server's store policy copies them on to its L2 stores, as after any store."""
         from kvctl.clients.mp_server import MPServerClient
         from kvctl.core.instance.inprocess import batched_writes

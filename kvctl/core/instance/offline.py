@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from functools import cached_property
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvctl.clients.disk_tier import DiskTier, partial_name, staging, stale_partials
 from kvctl.core.cache.listing import (
@@ -36,8 +36,11 @@ from kvctl.core.errors import KvctlError, UsageError
 from kvctl.core.instance.protocol import (
     EvictionPlan,
     NoManagement,
+    Pin,
+    PinList,
     Selection,
     StoredChunk,
+    Unpinned,
     Unsupported,
     plan_store_eviction,
 )
@@ -58,6 +61,11 @@ from kvctl.core.lmcache.keys import (
     parse_object_key,
     prompt_chunk_keys,
 )
+
+if TYPE_CHECKING:
+    from kvctl.core.cache.lookup import LookupResult
+    from kvctl.core.lmcache.key_facts import KeyFacts
+    from kvctl.core.lmcache.tokens import PromptSource
 
 READ_BATCH = 64  # disk chunks read (and held in memory) at a time to pair with their Redis metadata
 PROBE_TIMEOUT_S = 1.0  # a running engine answers on loopback at once; a stopped one refuses at once
@@ -362,13 +370,13 @@ class OfflineInstance(NoManagement):
                              "writes it to env.sh)")
         return name
 
-    def tokenize(self, prompt: Any, model: str | None = None) -> list[int]:
+    def tokenize(self, prompt: PromptSource, model: str | None = None) -> list[int]:
         from kvctl.core.lmcache.tokens import local_model_dir
 
         name = self._known_model(model)
         return prompt.token_ids(local_model_dir(name), self.vllm_url, name)
 
-    def lookup(self, tokens: list[int], model: str | None = None) -> Any:
+    def lookup(self, tokens: list[int], model: str | None = None) -> LookupResult:
         from kvctl.core.cache.lookup import read_tiers
 
         target = self._target(model)
@@ -528,7 +536,7 @@ class OfflineInstance(NoManagement):
 
     # -- snapshots ----------------------------------------------------------------------------------
 
-    def key_facts(self, model: str | None = None):
+    def key_facts(self, model: str | None = None) -> KeyFacts:
         """The recipe's: model and world size from the flags or env.sh; KV dtype None for MP (in no MP key)."""
         from kvctl.core.lmcache.key_facts import UNSET, KeyFacts
         from kvctl.core.lmcache.versions import installed
@@ -592,19 +600,20 @@ class OfflineInstance(NoManagement):
 
     # -- what needs an engine ----------------------------------------------------------------------
 
-    def pin(self, tokens: list[int], ttl_s: float | None, tiers: Sequence[str] | None, model: str | None = None):
+    def pin(self, tokens: list[int], ttl_s: float | None, tiers: Sequence[str] | None,
+            model: str | None = None) -> Pin:
         raise Unsupported("a configuration directory cannot pin: pins live in a running engine", hint=NEEDS_ENGINE_HINT)
 
     def unpin(self, *, pin_id: str | None = None, tokens: list[int] | None = None, everything: bool = False,
-              model: str | None = None):
+              model: str | None = None) -> Unpinned:
         raise Unsupported("a configuration directory has no pins to release: pins live in a running engine",
                           hint=NEEDS_ENGINE_HINT)
 
-    def pins(self, model: str | None = None):
+    def pins(self, model: str | None = None) -> PinList:
         raise Unsupported("a configuration directory has no pins: pins live in a running engine",
                           hint=NEEDS_ENGINE_HINT)
 
-    def prefetch(self, tokens: list[int]) -> dict[str, Any]:
+    def prefetch(self, tokens: list[int]) -> dict[str, int]:
         raise Unsupported("prefetch loads chunks into a running engine's CPU tier", hint=NEEDS_ENGINE_HINT)
 
 

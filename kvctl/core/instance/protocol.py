@@ -22,9 +22,16 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvctl.core.errors import KvctlError, UsageError
+
+if TYPE_CHECKING:
+    from kvctl.core.cache.listing import Listing
+    from kvctl.core.cache.lookup import LookupResult
+    from kvctl.core.instance.address import Address
+    from kvctl.core.lmcache.key_facts import KeyFacts
+    from kvctl.core.lmcache.tokens import PromptSource
 
 
 class Unsupported(UsageError):
@@ -45,7 +52,7 @@ def lacks(instance, feature: str, hint: str) -> Unsupported:
 class NoManagement:
     """An instance with neither an in-process engine's nor an MP server's management routes."""
 
-    def engine_address(self, feature: str):
+    def engine_address(self, feature: str) -> Address:
         raise lacks(self, f"{feature} is an in-process LMCache feature", ENGINE_HINT)
 
     def mp_server_url(self, feature: str) -> str:
@@ -224,6 +231,21 @@ class CoordinatorPin:
 
 
 @dataclass
+class ControllerPin:
+    """A pin the controller made: LMCache holds the chunks until its pin timeout (it has no unpin)."""
+
+    location: str
+    pinned_tokens: int
+    columns = ("answered by", "location", "pinned tokens", "expires")
+
+    def rows(self) -> list[tuple]:
+        return [("controller", self.location, self.pinned_tokens, "at LMCache's pin timeout")]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"answered_by": "controller", "location": self.location, "pinned_tokens": self.pinned_tokens}
+
+
+@dataclass
 class PinnedKey:
     """A key the coordinator holds pinned, with how many pins hold it."""
 
@@ -330,19 +352,19 @@ class Instance(Protocol):
     def model_name(self, model: str | None = None) -> str:
         """The model whose keys a prompt makes here: `model`, or the one the instance serves."""
 
-    def tokenize(self, prompt: Any, model: str | None = None) -> list[int]:
-        """A PromptSource's token ids, tokenized as this instance's vLLM would."""
+    def tokenize(self, prompt: PromptSource, model: str | None = None) -> list[int]:
+        """The prompt's token ids, tokenized as this instance's vLLM would."""
 
-    def lookup(self, tokens: list[int], model: str | None = None) -> Any:
-        """A LookupResult: which chunks of the tokens each tier holds, and the hit tokens."""
+    def lookup(self, tokens: list[int], model: str | None = None) -> LookupResult:
+        """Which chunks of the tokens each tier holds, and the hit tokens."""
 
-    def list(self, tiers: Sequence[str] | None, model: str | None, limit: int) -> Any:
-        """A Listing of the chunks per tier."""
+    def list(self, tiers: Sequence[str] | None, model: str | None, limit: int) -> Listing:
+        """The chunks per tier."""
 
     def plan_eviction(self, selection: Selection) -> EvictionPlan: ...
 
     def pin(self, tokens: list[int], ttl_s: float | None, tiers: Sequence[str] | None,
-            model: str | None = None) -> Pin | CoordinatorPin: ...
+            model: str | None = None) -> Pin | CoordinatorPin | ControllerPin: ...
 
     def unpin(self, *, pin_id: str | None = None, tokens: list[int] | None = None, everything: bool = False,
               model: str | None = None) -> Unpinned | CoordinatorPin: ...
@@ -352,14 +374,15 @@ class Instance(Protocol):
     def pin_scope(self) -> str:
         """Only where pins have no ids (not pin_ids): where they live, which a pin set's ledger is kept for."""
 
-    def prefetch(self, tokens: list[int]) -> dict[str, Any]: ...
+    def prefetch(self, tokens: list[int]) -> dict[str, int]:
+        """Copy a prompt's chunks from the lower tiers into the CPU tier: {"loaded", "already_in_cpu", "missing"}."""
 
     def prompt_keys(self, tokens: list[int], model: str | None = None) -> list[str]:
         """The keys a prompt's chunks are stored under here, chunk by chunk: every rank's (and, MP,
         every object group's), as a snapshot must hold them."""
 
-    def key_facts(self, model: str | None = None) -> Any:
-        """A doctor KeyFacts: what makes this instance's chunk keys (chunk size, hashing, seed, model,
+    def key_facts(self, model: str | None = None) -> KeyFacts:
+        """What makes this instance's chunk keys (chunk size, hashing, seed, model,
         KV dtype, world size) and its LMCache version, None where not known."""
 
     def read_chunks(self, keys: Sequence[str]) -> Iterator[StoredChunk]:
@@ -373,8 +396,8 @@ class Instance(Protocol):
         """Whether write_chunks on `tier` makes no chunk visible before its chunks ran out without an
         error: a snapshot load then checks checksums while it writes, else all of them first."""
 
-    def engine_address(self, feature: str) -> Any:
-        """The Address of an in-process engine, whose LMCache routes (freeze, backends, /conf, chunk
+    def engine_address(self, feature: str) -> Address:
+        """The address of an in-process engine, whose LMCache routes (freeze, backends, /conf, chunk
         statistics) serve `feature`; Unsupported naming the feature elsewhere."""
 
     def mp_server_url(self, feature: str) -> str:

@@ -15,12 +15,17 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Sequence
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvctl.core.errors import ExitCode
 from kvctl.core.instance.offline import OfflineInstance, RunningEngine
-from kvctl.core.instance.protocol import EvictionPlan, Selection, StoredChunk, Unsupported
+from kvctl.core.instance.protocol import EvictionPlan, Pin, PinList, Selection, StoredChunk, Unpinned, Unsupported
 from kvctl.core.lmcache.deployment import Deployment, read_deployment
+
+if TYPE_CHECKING:
+    from kvctl.core.cache.listing import Listing
+    from kvctl.core.cache.lookup import LookupResult
+    from kvctl.core.instance.address import Address
 
 ROUTES_HINT = ("load kvctl's plugins into it: \"kv_connector_module_path\": \"kvctl_plugins.vllm_connector\" in "
                "vLLM's --kv-transfer-config (kvctl plugins enable), or python -m kvctl_plugins.standalone")
@@ -45,7 +50,7 @@ class StockEngineInstance(OfflineInstance):
         super().__init__(config_dir or address.config_dir, model, kv_dtype, 1, hash_seed, vllm_url or address.vllm)
         self.address, self.worker0, self.name = address, address.worker, address.name
 
-    def engine_address(self, feature: str):
+    def engine_address(self, feature: str) -> Address:
         return self.address  # LMCache's own management routes serve a stock engine too
 
     @cached_property
@@ -84,12 +89,12 @@ class StockEngineInstance(OfflineInstance):
     def _known_model(self, model: str | None = None) -> str | None:
         return model or self.model or self._described[1].get("model_name")
 
-    def lookup(self, tokens: list[int], model: str | None = None):
+    def lookup(self, tokens: list[int], model: str | None = None) -> LookupResult:
         result = super().lookup(tokens, model)
         result.errors["cpu"] = not_visible("POST /kvctl/v1/lookup")
         return result
 
-    def list(self, tiers: Sequence[str] | None, model: str | None, limit: int):
+    def list(self, tiers: Sequence[str] | None, model: str | None, limit: int) -> Listing:
         wanted = None if not tiers or "all" in tiers else [tier for tier in tiers if tier != "cpu"]
         listing = super().list(wanted, model, limit) if wanted != [] else _empty_listing()
         if not tiers or "all" in tiers or "cpu" in tiers:
@@ -154,21 +159,22 @@ class StockEngineInstance(OfflineInstance):
 
     # -- what only kvctl's routes can do --------------------------------------------------------------
 
-    def pin(self, tokens: list[int], ttl_s: float | None, tiers: Sequence[str] | None, model: str | None = None):
+    def pin(self, tokens: list[int], ttl_s: float | None, tiers: Sequence[str] | None,
+            model: str | None = None) -> Pin:
         raise needs_routes("pinning", "POST /kvctl/v1/pin")
 
     def unpin(self, *, pin_id: str | None = None, tokens: list[int] | None = None, everything: bool = False,
-              model: str | None = None):
+              model: str | None = None) -> Unpinned:
         raise needs_routes("unpinning", "POST /kvctl/v1/unpin")
 
-    def pins(self, model: str | None = None):
+    def pins(self, model: str | None = None) -> PinList:
         raise needs_routes("listing pins", "GET /kvctl/v1/pins")
 
-    def prefetch(self, tokens: list[int]) -> dict[str, Any]:
+    def prefetch(self, tokens: list[int]) -> dict[str, int]:
         raise needs_routes("prefetching into the CPU tier", "POST /kvctl/v1/prefetch")
 
 
-def _empty_listing():
+def _empty_listing() -> Listing:
     from kvctl.core.cache.listing import Listing
 
     return Listing([])
