@@ -1,10 +1,13 @@
 """`kvctl evict`: plan, confirm, execute. The instance plans (kvctl.core.instance.protocol.EvictionPlan), the
-user sees and confirms exactly that plan, and only the planned chunks are removed. A configuration
+user sees and confirms exactly that plan, and the instance removes only the planned chunks: a dry run
+shows the plan, a real run what executing it did (an empty plan executes to an empty result). A configuration
 directory alone (--config, no --instance) is evicted with no engine: its disk directory and Redis."""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Annotated
 
 import typer
@@ -76,10 +79,10 @@ def evict(
 
     if chosen.fleet:
         _evict_fleet(ctx.obj, chosen, plan, dry_run, yes, timeout)
-    planned = plan(open_one(chosen))
+    found = open_one(chosen)
+    planned = plan(found)
     _confirm(planned.removed, planned.cleared_whole, dry_run, yes)
-    result = planned.execute() if planned.pending and not dry_run else planned
-    result.dry_run = dry_run
+    result = planned if dry_run else found.execute_eviction(planned)
     ctx.obj.emit(result.as_dict(), _eviction_tables(result))
     for failed, message in result.errors.items():
         ctx.obj.error(f"{failed} tier: {message}")
@@ -87,7 +90,7 @@ def evict(
         raise typer.Exit(ExitCode.PARTIAL)
 
 
-def _confirm(counts: dict[str, int], whole: list[str], dry_run: bool, yes: bool) -> None:
+def _confirm(counts: dict[str, int], whole: Sequence[str], dry_run: bool, yes: bool) -> None:
     """Ask before removing anything, or refuse off a terminal without --yes."""
     total = sum(counts.values())
     if dry_run or (total == 0 and not whole) or yes:
@@ -115,26 +118,25 @@ def _eviction_tables(result, title: str | None = None) -> list:
 
 
 def _evict_fleet(out, chosen, plan, dry_run: bool, yes: bool, timeout: float) -> None:
-    """Plan on every instance at once, ask once for the total, then evict on each that planned."""
+    """Plan on every instance at once, ask once for the total, then each that planned executes its plan."""
     from collections import Counter
 
     from kvctl.core.instance.address import Address
     from kvctl.core.instance.addresses import FleetReport, fan_out
 
-    planned = run_fleet(chosen, plan, timeout)
-    plans = {outcome.instance: outcome.result for outcome in planned.succeeded()}
+    planned = run_fleet(chosen, lambda found: (found, plan(found)), timeout)
+    members = {outcome.instance: outcome.result for outcome in planned.succeeded()}  # name -> (instance, plan)
     counts: Counter = Counter()
-    for each in plans.values():
+    for _found, each in members.values():
         counts.update(each.removed)
-    whole = [tier for each in plans.values() for tier in each.cleared_whole]
+    whole = [tier for _found, each in members.values() for tier in each.cleared_whole]
     _confirm(dict(counts), whole, dry_run, yes)
-    outcomes = planned.outcomes
-    if not dry_run and (sum(counts.values()) or whole):
-        done = {o.instance: o for o in fan_out([Address(name) for name in plans],
-                                               lambda member: plans[member.name].execute(), timeout)}
+    outcomes = [replace(outcome, result=members[outcome.instance][1]) if outcome.error is None else outcome
+                for outcome in planned.outcomes]
+    if not dry_run:
+        done = {o.instance: o for o in fan_out([Address(name) for name in members],
+                                               lambda member: members[member.name][0].execute_eviction(
+                                                   members[member.name][1]), timeout)}
         outcomes = [done.get(outcome.instance, outcome) for outcome in outcomes]
-    for outcome in outcomes:
-        if outcome.error is None:
-            outcome.result.dry_run = dry_run
     emit_fleet(out, FleetReport(outcomes), _eviction_tables, dry_run=dry_run)
 

@@ -32,7 +32,9 @@ from kvctl.core.instance.protocol import (
     StoredChunk,
     Unpinned,
     Unsupported,
+    execute_plan,
     plan_store_eviction,
+    store_remover,
 )
 from kvctl.core.lmcache.deployment import DISK_SUFFIXES
 from kvctl.core.lmcache.key_facts import KeyFacts
@@ -159,6 +161,9 @@ class MemoryInstance(ChunkKeyed):
                   else None if selection.keys is None else list(selection.keys))
         model = self.model_name(selection.model) if wanted is None else None
         return plan_store_eviction(self.stores, selection, model, wanted, self.pinned_keys)
+
+    def execute_eviction(self, plan: EvictionPlan) -> EvictionPlan:
+        return execute_plan(plan, store_remover(self.stores))
 
     def pin(self, tokens: list[int], ttl_s: float | None, tiers: Sequence[str] | None,
             model: str | None = None) -> Pin:

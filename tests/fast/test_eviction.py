@@ -1,13 +1,13 @@
-"""Eviction over stores read directly: the plan (dry run) is what execute() removes, no more, no less."""
+"""Eviction over stores read directly: the plan (dry run) is what executing it removes, no more, no less."""
 
 import json
-from dataclasses import replace
+from dataclasses import FrozenInstanceError, replace
 
 import pytest
 
-from kvctl.core.instance.protocol import EvictionPlan, Selection, plan_store_eviction
+from kvctl.core.instance.protocol import EvictionPlan, Selection, execute_plan, plan_store_eviction, store_remover
 from kvctl.core.lmcache.keys import KeyRecipe, inprocess_keys, key_string
-from tests.fast.memory import MemoryStore
+from tests.fast.memory import MemoryInstance, MemoryStore
 
 LLAMA = KeyRecipe("llama", chunk_size=16, hash_algorithm="sha256_cbor")
 PROMPT = list(range(100, 164))
@@ -32,6 +32,10 @@ def planned(plan: EvictionPlan) -> dict[str, list[str]]:
 
 def contents(stores) -> dict[str, set[str]]:
     return {store.tier: set(store.names) for store in stores}
+
+
+def execute(plan: EvictionPlan, stores) -> EvictionPlan:
+    return execute_plan(plan, store_remover(stores))
 
 
 PROMPT_SELECTION = (Selection(tokens=tuple(PROMPT)), PROMPT_KEYS)
@@ -81,7 +85,7 @@ def test_a_whole_tier_of_every_model_still_leaves_foreign_names(stores):
     plan = plan_store_eviction(stores, Selection(), None)
     assert planned(plan) == {"cpu": sorted(PROMPT_KEYS + OTHER_LLAMA + LLAMA_V2),
                              "disk": sorted(PROMPT_KEYS[:2] + LLAMA_V2)}
-    plan.execute()
+    execute(plan, stores)
     assert contents(stores) == {"cpu": set(FOREIGN), "disk": set(FOREIGN)}
 
 
@@ -98,7 +102,7 @@ def test_pinned_chunks_stay_unless_forced(stores, selection, wanted, cpu_held):
     assert plan.skipped_pinned["cpu"] == len(kept) and plan.removed["cpu"] == len(cpu_held) - len(kept)
     forced = plan_store_eviction(stores, replace(selection, force=True), "llama", wanted, pinned)
     assert set(planned(forced)["cpu"]) == cpu_held and forced.skipped_pinned["cpu"] == 0
-    forced.execute()
+    execute(forced, stores)
     assert not cpu_held & stores[0].names
 
 
@@ -108,7 +112,7 @@ def test_execute_removes_exactly_what_the_dry_run_showed(stores, selection, want
     before = contents(stores)
     plan = plan_store_eviction(stores, selection, "llama", wanted, {OTHER_LLAMA[1]})
     assert contents(stores) == before  # planning removes nothing
-    done = plan.execute()
+    done = execute(plan, stores)
     assert not done.dry_run and plan.dry_run
     assert done.removed == plan.removed and done.skipped_pinned == plan.skipped_pinned
     assert planned(done) == planned(plan)
@@ -120,7 +124,7 @@ def test_a_chunk_written_after_the_plan_is_not_taken(stores):
     plan = plan_store_eviction(stores, Selection(model="llama"), "llama")
     newcomer = key_string(LLAMA, 0xC0FFEE)
     stores[0].names.add(newcomer)
-    done = plan.execute()
+    done = execute(plan, stores)
     assert done.removed == plan.removed == {"cpu": 6, "disk": 2}
     assert newcomer in stores[0].names
 
@@ -128,7 +132,7 @@ def test_a_chunk_written_after_the_plan_is_not_taken(stores):
 def test_a_chunk_someone_else_removed_meanwhile_is_not_counted(stores):
     plan = plan_store_eviction(stores, Selection(tokens=tuple(PROMPT)), "llama", PROMPT_KEYS)
     stores[0].names.discard(PROMPT_KEYS[0])  # LMCache evicted it on its own
-    done = plan.execute()
+    done = execute(plan, stores)
     assert done.removed == {"cpu": 3, "disk": 2} and done.total == 5
     assert planned(done)["cpu"] == sorted(PROMPT_KEYS[1:])
 
@@ -137,17 +141,17 @@ def test_execute_goes_through_the_given_remover_and_counts_what_it_really_remove
     def remove_all_but_first(store, keys):  # e.g. LMCache holds the first one for a reader meanwhile
         return store.remove(keys[1:])
 
-    plan = plan_store_eviction(stores, Selection(tokens=tuple(PROMPT)), "llama", PROMPT_KEYS,
-                               remove=remove_all_but_first)
-    done = plan.execute()
+    plan = plan_store_eviction(stores, Selection(tokens=tuple(PROMPT)), "llama", PROMPT_KEYS)
+    done = execute_plan(plan, store_remover(stores, remove_all_but_first))
     assert done.removed == {"cpu": 3, "disk": 1}
     assert {key for key in PROMPT_KEYS if key in stores[0].names} == {plan.chunks[0]["key"]}
 
 
 def test_plans_of_several_parts_add_up():
-    plan = EvictionPlan({"cpu": 2}, {"cpu": 1}, [{"tier": "cpu", "key": "a"}, {"tier": "cpu", "key": "b"}])
-    plan.add(EvictionPlan({"cpu": 1, "disk": 3}, {"disk": 2}, [{"tier": "cpu", "key": "c"}], {"cpu": 1}))
-    plan.add(EvictionPlan({"disk": 1}, {}, [], {"cpu": 2, "disk": 1}))
+    first = EvictionPlan({"cpu": 2}, {"cpu": 1}, ({"tier": "cpu", "key": "a"}, {"tier": "cpu", "key": "b"}))
+    plan = first.merged(EvictionPlan({"cpu": 1, "disk": 3}, {"disk": 2}, ({"tier": "cpu", "key": "c"},), {"cpu": 1}))
+    plan = plan.merged(EvictionPlan({"disk": 1}, {}, (), {"cpu": 2, "disk": 1}))
+    assert first.removed == {"cpu": 2} and len(first.chunks) == 2  # folding makes a new plan
     assert plan.removed == {"cpu": 3, "disk": 4} and plan.total == 7
     assert plan.skipped_pinned == {"cpu": 1, "disk": 2}
     assert plan.held_by_lmcache == {"cpu": 3, "disk": 1}
@@ -156,7 +160,7 @@ def test_plans_of_several_parts_add_up():
 
 @pytest.mark.parametrize("held", [None, {"cpu": 2}])
 def test_a_plan_survives_its_json_form(held):
-    plan = EvictionPlan({"cpu": 1, "disk": 0}, {"cpu": 1, "disk": 0}, [{"tier": "cpu", "key": PROMPT_KEYS[0]}], held)
+    plan = EvictionPlan({"cpu": 1, "disk": 0}, {"cpu": 1, "disk": 0}, ({"tier": "cpu", "key": PROMPT_KEYS[0]},), held)
     shown = plan.as_dict()
     assert ("held_by_lmcache" in shown) == (held is not None)
     again = EvictionPlan.from_dict(json.loads(json.dumps(shown)))
@@ -164,15 +168,40 @@ def test_a_plan_survives_its_json_form(held):
     assert EvictionPlan.from_dict({**shown, "dry_run": False}).dry_run is False
 
 
-def test_a_plan_read_back_executes_through_its_remover(stores):
-    shown = plan_store_eviction(stores, Selection(tokens=tuple(PROMPT), tiers=("disk",)), "llama",
-                                PROMPT_KEYS).as_dict()
-    with pytest.raises(RuntimeError):
-        EvictionPlan.from_dict(shown).execute()  # no way to remove: refused, not a silent no-op
-
-    def remove(tier, keys):
-        gone = stores[1].remove(keys)
-        return EvictionPlan({tier: len(gone)}, {}, [{"tier": tier, "key": key} for key in gone], dry_run=False)
-
-    done = EvictionPlan.from_dict(shown, remove).execute()
+def test_a_plan_read_back_executes_on_the_instance(stores):
+    instance = MemoryInstance("memory", stores)
+    shown = instance.plan_eviction(Selection(keys=tuple(PROMPT_KEYS), tiers=("disk",))).as_dict()
+    done = instance.execute_eviction(EvictionPlan.from_dict(json.loads(json.dumps(shown))))
     assert done.removed == {"disk": 2} and not set(PROMPT_KEYS) & stores[1].names
+
+
+@pytest.mark.parametrize("change", [{"dry_run": False}, {"removed": {}}, {"chunks": ()}, {"selection": None}])
+def test_a_plan_cannot_be_changed_once_made(stores, change):
+    plan = plan_store_eviction(stores, PROMPT_SELECTION[0], "llama", PROMPT_KEYS)
+    (name, value), = change.items()
+    with pytest.raises(FrozenInstanceError):
+        setattr(plan, name, value)
+
+
+@pytest.mark.parametrize(("selection", "pinned", "cpu_keeps_first"), [
+    (Selection(tokens=tuple(range(16))), False, False),
+    (Selection(tokens=tuple(range(16)), tiers=("disk",)), False, True),
+    (Selection(model="llama"), True, True),
+    (Selection(model="llama", force=True), True, False),
+], ids=["prompt", "prompt-on-disk", "whole-tier-pinned", "whole-tier-forced"])
+def test_the_instance_executes_exactly_its_plan(selection, pinned, cpu_keeps_first):
+    from tests.fast.memory import memory_keys
+
+    prompt, other = memory_keys(range(16), "llama"), memory_keys(range(100, 108), "llama")
+    stores = [MemoryStore("cpu", prompt + other + FOREIGN), MemoryStore("disk", prompt[:2] + FOREIGN)]
+    instance = MemoryInstance("memory", stores)
+    if pinned:
+        instance.pin(list(range(4)), None, None)
+    before = contents(stores)
+    plan = instance.plan_eviction(selection)
+    assert contents(stores) == before and plan.dry_run and plan.selection == selection
+    done = instance.execute_eviction(plan)
+    gone = planned(plan)
+    assert contents(stores) == {tier: names - set(gone.get(tier, [])) for tier, names in before.items()}
+    assert not done.dry_run and done.removed == plan.removed and planned(done) == gone and plan.total > 0
+    assert (prompt[0] in stores[0].names) == cpu_keeps_first

@@ -157,7 +157,7 @@ def test_whole_tiers_take_exactly_the_models_chunks_and_execute_removes_what_was
     assert chunk_pairs(plan) == sorted((tier, key) for tier in ("disk", "redis") for key in a_keys)
     assert deployment.file_names() == files and deployment.key_names() == keys  # a dry run removes nothing
 
-    done = plan.execute()
+    done = deployment.instance().execute_eviction(plan)
     assert not done.dry_run and done.removed == plan.removed and chunk_pairs(done) == chunk_pairs(plan)
     assert deployment.file_names() == files - {disk_file_name(key) for key in a_keys}
     assert deployment.key_names() == keys - redis_names(a_keys)  # both names of every chunk, nothing else
@@ -166,7 +166,7 @@ def test_whole_tiers_take_exactly_the_models_chunks_and_execute_removes_what_was
     b_keys = keys_of("b", *PROMPTS["b"])
     plan = deployment.instance().plan_eviction(Selection(tiers=("redis",), model="b"))
     assert plan.removed == {"redis": 4} and chunk_pairs(plan) == sorted(("redis", key) for key in b_keys)
-    assert plan.execute().removed == {"redis": 4}
+    assert deployment.instance().execute_eviction(plan).removed == {"redis": 4}
     assert deployment.key_names() == set(FOREIGN_KEYS)
     assert deployment.file_names() == set(STRAY_FILES) | {disk_file_name(key) for key in b_keys}
 
@@ -180,7 +180,7 @@ def test_a_prompt_takes_its_chunks_on_every_selected_tier_and_nothing_else(inpro
     plan = deployment.instance().plan_eviction(selection)
     assert plan.removed == {"disk": 2, "redis": 2}
     assert chunk_pairs(plan) == sorted((tier, key) for tier in ("disk", "redis") for key in second)
-    assert chunk_pairs(plan.execute()) == chunk_pairs(plan)
+    assert chunk_pairs(deployment.instance().execute_eviction(plan)) == chunk_pairs(plan)
     assert deployment.file_names() == files - {disk_file_name(key) for key in second}
     assert deployment.key_names() == keys - redis_names(second)
 
@@ -188,7 +188,7 @@ def test_a_prompt_takes_its_chunks_on_every_selected_tier_and_nothing_else(inpro
     plan = deployment.instance().plan_eviction(Selection(tokens=tuple(prompt(*PROMPTS["b"][0])), model="b",
                                                          tiers=("disk",)))
     assert chunk_pairs(plan) == sorted(("disk", key) for key in first_of_b)
-    plan.execute()
+    deployment.instance().execute_eviction(plan)
     assert deployment.file_names() == files - {disk_file_name(key) for key in second + first_of_b}
     assert deployment.key_names() == keys - redis_names(second)
 
@@ -202,7 +202,7 @@ def test_given_keys_of_any_model_are_taken_and_a_non_key_is_refused(inprocess):
     plan = instance.plan_eviction(Selection(keys=(*chosen, chosen[0], "a@1@0@123@half")))  # a repeat, one not stored
     assert plan.removed == {"disk": 2, "redis": 3}
     assert chunk_pairs(plan) == sorted([("disk", key) for key in chosen[:2]] + [("redis", key) for key in chosen])
-    assert plan.execute().removed == {"disk": 2, "redis": 3}
+    assert deployment.instance().execute_eviction(plan).removed == {"disk": 2, "redis": 3}
     assert deployment.file_names() == files - {disk_file_name(key) for key in chosen[:2]}
     assert deployment.key_names() == keys - redis_names(chosen)
 
@@ -219,7 +219,7 @@ def test_removal_counts_what_really_went_and_never_follows_a_symlink(inprocess, 
     plan = deployment.instance().plan_eviction(Selection())
     (deployment.directory / disk_file_name(a_keys[0])).unlink()  # gone behind the plan's back
     deployment.redis.unlink(*redis_names(a_keys[1:2]))
-    done = plan.execute()
+    done = deployment.instance().execute_eviction(plan)
     assert done.removed == {"disk": 5, "redis": 5}
     assert ("disk", a_keys[0]) not in chunk_pairs(done) and ("redis", a_keys[1]) not in chunk_pairs(done)
 
@@ -229,7 +229,7 @@ def test_removal_counts_what_really_went_and_never_follows_a_symlink(inprocess, 
     (deployment.directory / disk_file_name(link_key)).symlink_to(outside)
     plan = deployment.instance().plan_eviction(Selection(keys=(link_key,)))
     assert plan.removed == {"disk": 1, "redis": 0}
-    assert plan.execute().removed == {"disk": 1, "redis": 0}
+    assert deployment.instance().execute_eviction(plan).removed == {"disk": 1, "redis": 0}
     assert not (deployment.directory / disk_file_name(link_key)).is_symlink()
     assert outside.read_bytes() == b"not LMCache's"
 
@@ -282,11 +282,11 @@ def test_refused_while_an_engine_of_the_configuration_runs_unless_forced(inproce
             deployment.instance().plan_eviction(Selection(tiers=("redis",)))
         assert f"kvctl evict --instance {deployment.url}" in error.value.hint and "--force" in error.value.hint
         with pytest.raises(UsageError, match="is running at"):
-            planned.execute()  # planned before it started: checked again
+            deployment.instance().execute_eviction(planned)  # planned before it started: checked again
         assert deployment.file_names() == files and deployment.key_names() == keys
         forced = deployment.instance().plan_eviction(Selection(force=True))
         assert forced.removed == {"disk": 6, "redis": 6}
-    assert planned.execute().removed == {"disk": 6, "redis": 6}
+    assert deployment.instance().execute_eviction(planned).removed == {"disk": 6, "redis": 6}
 
 
 @pytest.mark.slow
@@ -414,14 +414,14 @@ def test_mp_whole_tiers_prompts_and_keys(mp):
 
     plan = instance.plan_eviction(Selection(tokens=tuple(MP_PROMPTS[0])))
     assert chunk_pairs(plan) == sorted((tier, key.native_key()) for tier in ("disk", "redis") for key in first)
-    assert chunk_pairs(plan.execute()) == chunk_pairs(plan)
+    assert chunk_pairs(deployment.instance().execute_eviction(plan)) == chunk_pairs(plan)
     assert deployment.file_names() == files - {key.fs_file_name() for key in first}
     assert deployment.key_names() == keys - {key.native_key() for key in first}
 
     deployment = fresh(mp)
     plan = instance.plan_eviction(Selection())  # the model: env.sh's KVCTL_MODEL
     assert plan.removed == {"disk": 4, "redis": 4}
-    done = plan.execute()
+    done = deployment.instance().execute_eviction(plan)
     assert done.removed == {"disk": 4, "redis": 4} and chunk_pairs(done) == chunk_pairs(plan)
     other = ObjectKey(first[0].chunk_hash, OTHER_MODEL, first[0].kv_rank)
     assert deployment.file_names() == set(MP_STRAY_FILES) | {other.fs_file_name()}
@@ -431,7 +431,7 @@ def test_mp_whole_tiers_prompts_and_keys(mp):
     chosen = (other.native_key(), second[1].native_key())
     plan = instance.plan_eviction(Selection(keys=chosen, tiers=("disk",)))
     assert chunk_pairs(plan) == sorted(("disk", key) for key in chosen)
-    plan.execute()
+    deployment.instance().execute_eviction(plan)
     assert deployment.file_names() == files - {other.fs_file_name(), second[1].fs_file_name()}
     assert deployment.key_names() == keys
     with pytest.raises(UsageError, match="not an MP chunk key"):

@@ -22,6 +22,7 @@ from kvctl.core.instance.protocol import (
     StoredChunk,
     Unpinned,
     Unsupported,
+    execute_plan,
 )
 
 if TYPE_CHECKING:
@@ -95,14 +96,18 @@ class ControllerOnlyInstance(NoManagement):
             raise Unsupported(f"the controller clears only the CPU tier of {self.name} (LMCache 0.5.6 has no clear "
                               "for disk or remote stores)", hint="pass --tier cpu")
 
+        self.notes.append("the CPU tier is cleared whole by the controller (/clear): its chunks are counted only "
+                          "after, and pinned ones stay")
+        return EvictionPlan(cleared_whole=tuple(tiers), selection=selection)
+
+    def execute_eviction(self, plan: EvictionPlan) -> EvictionPlan:
+        """Each tier cleared whole by the controller, counted from the tokens it says it cleared."""
         def clear(tier: str, _keys: list[str]) -> EvictionPlan:
             with self._controller() as controller:
                 cleared = controller.clear(self.name, LOCATIONS[tier])
-            return EvictionPlan({tier: cleared // CONTROLLER_CHUNK}, {tier: 0}, [], dry_run=False)
+            return EvictionPlan({tier: cleared // CONTROLLER_CHUNK}, {tier: 0}, dry_run=False)
 
-        self.notes.append("the CPU tier is cleared whole by the controller (/clear): its chunks are counted only "
-                          "after, and pinned ones stay")
-        return EvictionPlan({}, {}, [], cleared_whole=list(tiers), remove=clear)
+        return execute_plan(plan, clear)
 
     def pin(self, tokens: list[int], ttl_s: float | None, tiers: Sequence[str] | None,
             model: str | None = None) -> ControllerPin:

@@ -327,11 +327,14 @@ class InProcessInstance(ChunkKeyed, NoManagement):
         elif selection.keys is not None:
             chosen["keys"] = list(selection.keys)
 
-        def remove(tier: str, keys: list[str]) -> EvictionPlan:
-            return EvictionPlan.from_dict(evict(self.workers, dry_run=False, tiers=[tier], everything=False,
-                                                keys=keys, force=selection.force))
+        return EvictionPlan.from_dict(evict(self.workers, dry_run=True, **chosen), selection)
 
-        return EvictionPlan.from_dict(evict(self.workers, dry_run=True, **chosen), remove)
+    def execute_eviction(self, plan: EvictionPlan) -> EvictionPlan:
+        """Each tier's planned keys, by key through every worker's routes (Redis directly)."""
+        from kvctl.core.instance.protocol import EvictionPlan, execute_plan
+
+        return execute_plan(plan, lambda tier, keys: EvictionPlan.from_dict(
+            evict(self.workers, dry_run=False, tiers=[tier], everything=False, keys=keys, force=plan.forced)))
 
     def pin(self, tokens: list[int], ttl_s: float | None, tiers: Sequence[str] | None, model: str | None = None,
             pin_id: str | None = None, replace: bool = False) -> Pin:

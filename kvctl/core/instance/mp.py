@@ -239,20 +239,27 @@ class MPInstance(NoManagement):
             raise UsageError(NO_COORDINATOR, hint=COORDINATOR_HINT)
         return url
 
-    def plan_eviction(self, selection: Selection) -> EvictionPlan:
+    def _eviction_target(self, model: str | None) -> MPTarget:
         from kvctl.core.cache.listing import config_stores
+
+        return MPTarget(self.address.mp_http, config_stores(self.address.config_dir), model or self.address.model,
+                        self._coordinator(required=False))
+
+    def plan_eviction(self, selection: Selection) -> EvictionPlan:
         from kvctl.core.instance.protocol import EvictionPlan
 
-        target = MPTarget(self.address.mp_http, config_stores(self.address.config_dir),
-                          selection.model or self.address.model, self._coordinator(required=False))
         chosen = {"tiers": list(selection.tiers) if selection.tiers else None, "force": selection.force,
                   "keys": list(selection.keys) if selection.keys is not None else None,
                   "tokens": list(selection.tokens) if selection.tokens is not None else None}
+        return EvictionPlan.from_dict(evict(self._eviction_target(selection.model), dry_run=True, **chosen), selection)
 
-        def remove(tier: str, keys: list[str]) -> EvictionPlan:
-            return EvictionPlan.from_dict(evict(target, dry_run=False, tiers=[tier], force=selection.force, keys=keys))
+    def execute_eviction(self, plan: EvictionPlan) -> EvictionPlan:
+        """Each tier's planned keys through the server (L1's DELETE, the L2 adapters), checked afterwards."""
+        from kvctl.core.instance.protocol import EvictionPlan, execute_plan
 
-        return EvictionPlan.from_dict(evict(target, dry_run=True, **chosen), remove)
+        target = self._eviction_target(plan.selection.model if plan.selection else None)
+        return execute_plan(plan, lambda tier, keys: EvictionPlan.from_dict(
+            evict(target, dry_run=False, tiers=[tier], force=plan.forced, keys=keys)))
 
     def _pin_call(self, action: str, tokens: list[int], model: str | None) -> CoordinatorPin:
         from kvctl.clients.coordinator import CoordinatorClient

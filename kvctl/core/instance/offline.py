@@ -17,7 +17,7 @@ import signal
 import stat
 import threading
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -40,9 +40,12 @@ from kvctl.core.instance.protocol import (
     PinList,
     Selection,
     StoredChunk,
+    TierRemover,
     Unpinned,
     Unsupported,
+    execute_plan,
     plan_store_eviction,
+    store_remover,
 )
 from kvctl.core.lmcache.deployment import (
     DISK_SUFFIXES,
@@ -292,27 +295,22 @@ def remove_partial_files(paths: Sequence[str]) -> list[str]:
     return sorted(gone)
 
 
-@dataclass
+@dataclass(frozen=True)
 class OfflineEvictionPlan(EvictionPlan):
     """An eviction with no engine, and the stale partial files that interrupted kvctl loads left in the
     selected disk directories (`partial_files`: never chunks, never read by LMCache), removed with it."""
 
-    partial_files: list[str] = field(default_factory=list)
-
-    @property
-    def pending(self) -> bool:
-        return super().pending or bool(self.partial_files)
+    partial_files: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, plan: EvictionPlan, partial_files: list[str]) -> OfflineEvictionPlan:
-        return cls(**{part.name: getattr(plan, part.name) for part in fields(plan)}, partial_files=partial_files)
-
-    def execute(self) -> OfflineEvictionPlan:
-        return self.of(super().execute(), remove_partial_files(self.partial_files))
+    def of(cls, plan: EvictionPlan, partial_files: Sequence[str]) -> OfflineEvictionPlan:
+        """`plan`'s tiers with these partial files."""
+        return cls(**{part.name: getattr(plan, part.name) for part in fields(EvictionPlan)},
+                   partial_files=tuple(partial_files))
 
     def as_dict(self) -> dict[str, Any]:
         answer = super().as_dict()
-        return {**answer, "partial_files": self.partial_files} if self.partial_files else answer
+        return {**answer, "partial_files": list(self.partial_files)} if self.partial_files else answer
 
 
 class RunningEngine(NamedTuple):
@@ -399,13 +397,7 @@ class OfflineInstance(NoManagement):
             self._refuse_if_running(chosen, selection.model)
         wanted = self._wanted(selection)
         model = self.model_name(selection.model) if wanted is None else None
-
-        def remove(store: DirectoryStore | RedisStore, keys: list[str]) -> list[str]:
-            if not selection.force:
-                self._refuse_if_running([store.tier], selection.model)  # one may have started since the plan
-            return store.remove(keys)
-
-        plan = plan_store_eviction(stores, selection, model, wanted, remove=remove)
+        plan = plan_store_eviction(stores, selection, model, wanted)
         partials = [path for store in stores if isinstance(store, DirectoryStore) and store.tier in chosen
                     for path in store.stale_partial_files(self.notes)]
         if partials:
@@ -413,6 +405,24 @@ class OfflineInstance(NoManagement):
                               f"never reads them) go with this eviction: {', '.join(partials[:5])}"
                               + (" …" if len(partials) > 5 else ""))
         return OfflineEvictionPlan.of(plan, partials)
+
+    def execute_eviction(self, plan: EvictionPlan) -> OfflineEvictionPlan:
+        """The planned chunks, each tier refused (unless forced) while an engine that uses it runs (one may
+        have started since the plan), and the planned partial files."""
+        done = execute_plan(plan, self._tier_remover(plan.selection or Selection()))
+        partials = plan.partial_files if isinstance(plan, OfflineEvictionPlan) else ()
+        return OfflineEvictionPlan.of(done, remove_partial_files(partials))
+
+    def _tier_remover(self, selection: Selection) -> TierRemover:
+        def remove(store: DirectoryStore | RedisStore, keys: list[str]) -> list[str]:
+            if not selection.force:
+                self._refuse_if_running([store.tier], selection.model)
+            return store.remove(keys)
+
+        return store_remover(self._chunk_stores(), remove)
+
+    def _chunk_stores(self) -> list[DirectoryStore | RedisStore]:
+        return [chunk_store(store, self.deployment.settings) for store in self.deployment.stores]
 
     def _stores(self, selection: Selection) -> list[DirectoryStore | RedisStore]:
         present = [store.tier for store in self.deployment.stores]
@@ -427,7 +437,7 @@ class OfflineInstance(NoManagement):
         if not present:
             raise UsageError("this configuration names no disk, Redis, fs or resp tier kvctl can evict from",
                              hint=CPU_HINT)
-        return [chunk_store(store, self.deployment.settings) for store in self.deployment.stores]
+        return self._chunk_stores()
 
     def _wanted(self, selection: Selection) -> list[str] | None:
         """The selected chunk keys: a prompt's on every rank, or the given ones (canonical); None for
@@ -591,7 +601,7 @@ class OfflineInstance(NoManagement):
         return isinstance(chosen, DirectoryStore)
 
     def _snapshot_stores(self) -> list[DirectoryStore | RedisStore]:
-        stores = [chunk_store(store, self.deployment.settings) for store in self.deployment.stores]
+        stores = self._chunk_stores()
         if not stores:
             mp = self.deployment.mode == "mp"
             raise UsageError(f"this configuration names no {'fs or resp L2' if mp else 'disk or Redis'} tier kvctl "

@@ -14,14 +14,15 @@ A command is then: parse -> open_instance -> one operation -> render a typed res
 implementation cannot do it refuses with `Unsupported` (one line and a hint, exit 2).
 
 Eviction follows huggingface_hub's scan -> plan -> execute: `plan_eviction(selection)` is the dry
-run the user sees and confirms; `EvictionPlan.execute()` removes exactly the planned chunks.
+run the user sees and confirms, a frozen EvictionPlan; `execute_eviction(plan)` removes exactly the
+planned chunks (each implementation removes a tier its own way; execute_plan goes tier by tier).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvctl.core.errors import KvctlError, UsageError
@@ -82,90 +83,101 @@ class Selection:
         return [] if not self.tiers else [t for t in self.tiers if t != "all" and t not in present]
 
 
-@dataclass
+@dataclass(frozen=True)
 class EvictionPlan:
     """Per tier: how many chunks go (`removed`), how many stay because a pin holds them
     (`skipped_pinned`) or LMCache itself does (`held_by_lmcache`), and exactly which (`chunks`).
-    A plan is a dry run until `execute()`, which returns the result in the same shape. A tier a
-    server can only clear whole, without naming its chunks first (LMCache's /cache/clear), is in
-    `cleared_whole`: counted after the clear, never before."""
+    A plan is data only (`dry_run`): the instance that made it executes it (Instance.execute_eviction)
+    and answers the result in the same shape. A tier a server can only clear whole, without naming
+    its chunks first (LMCache's /cache/clear), is in `cleared_whole`: counted after the clear, never
+    before. `selection` is what the plan was made for (how the instance removes: forced or not)."""
 
     removed: dict[str, int] = field(default_factory=dict)
     skipped_pinned: dict[str, int] = field(default_factory=dict)
-    chunks: list[dict[str, str]] = field(default_factory=list)  # {"tier", "key"}
+    chunks: tuple[dict[str, str], ...] = ()  # {"tier", "key"}
     held_by_lmcache: dict[str, int] | None = None
     dry_run: bool = True
     errors: dict[str, str] = field(default_factory=dict)  # tier -> why its removal failed (the others went on)
-    remove: Callable[[str, list[str]], EvictionPlan] | None = field(default=None, repr=False, compare=False)
-    cleared_whole: list[str] = field(default_factory=list)
+    cleared_whole: tuple[str, ...] = ()
+    selection: Selection | None = None
 
     @property
     def total(self) -> int:
         return sum(self.removed.values())
 
     @property
-    def pending(self) -> bool:
-        """Whether executing it removes anything (planned chunks, or a tier cleared whole)."""
-        return self.total > 0 or bool(self.cleared_whole)
+    def forced(self) -> bool:
+        """Whether pinned chunks were planned too, so executing removes them regardless."""
+        return self.selection is not None and self.selection.force
 
-    def add(self, other: EvictionPlan) -> None:
-        """Fold another part's counts and chunks into this one (ranks, tiers)."""
+    def merged(self, other: EvictionPlan) -> EvictionPlan:
+        """This plan with another part's counts and chunks added (ranks, tiers)."""
+        counts = {}
         for name in ("removed", "skipped_pinned", "held_by_lmcache"):
-            counts = getattr(other, name)
-            if counts is None:
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine is None and theirs is None:
+                counts[name] = None
                 continue
-            mine = getattr(self, name)
-            if mine is None:
-                mine = {}
-                setattr(self, name, mine)
-            for tier, count in counts.items():
-                mine[tier] = mine.get(tier, 0) + count
-        self.chunks.extend(other.chunks)
+            total = dict(mine or {})
+            for tier, count in (theirs or {}).items():
+                total[tier] = total.get(tier, 0) + count
+            counts[name] = total
+        return replace(self, **counts, chunks=self.chunks + tuple(other.chunks))
 
-    def execute(self) -> EvictionPlan:
-        """Remove exactly the planned chunks, tier by tier (chunks written since the plan are not
-        taken); what got held since is kept and counted. A tier that fails is named in `errors` and
-        the others go on, so what was removed is still reported; when every tier fails, its error."""
-        if self.remove is None:
-            raise RuntimeError("this plan has no way to remove its chunks")
-        by_tier: dict[str, list[str]] = {tier: [] for tier in self.cleared_whole}
-        for chunk in self.chunks:
-            by_tier.setdefault(chunk["tier"], []).append(chunk["key"])
-        done = EvictionPlan(dict.fromkeys(self.removed, 0), dict(self.skipped_pinned), [],
-                            None if self.held_by_lmcache is None else dict(self.held_by_lmcache), dry_run=False,
-                            cleared_whole=list(self.cleared_whole))
-        failures = []
-        for tier, keys in by_tier.items():
-            try:
-                answer = self.remove(tier, keys)
-            except KvctlError as error:
-                done.errors[tier] = error.message
-                failures.append(error)
-                continue
-            done.removed[tier] = answer.removed.get(tier, 0)
-            done.add(EvictionPlan({}, answer.skipped_pinned, answer.chunks, answer.held_by_lmcache))
-        if failures and len(failures) == len(by_tier):
-            raise failures[0]
-        return done
+    def untouched(self) -> EvictionPlan:
+        """What executing it answers before any tier is removed: nothing removed yet, what stays as planned."""
+        return replace(self, removed=dict.fromkeys(self.removed, 0), chunks=(), dry_run=False, errors={})
 
     def as_dict(self) -> dict[str, Any]:
         answer: dict[str, Any] = {"dry_run": self.dry_run, "removed": self.removed,
                                   "skipped_pinned": self.skipped_pinned}
         if self.held_by_lmcache is not None:
             answer["held_by_lmcache"] = self.held_by_lmcache
-        answer["chunks"] = self.chunks
+        answer["chunks"] = list(self.chunks)
         if self.cleared_whole:
-            answer["cleared_whole"] = self.cleared_whole
+            answer["cleared_whole"] = list(self.cleared_whole)
         if self.errors:
             answer["errors"] = self.errors
         return answer
 
     @classmethod
-    def from_dict(cls, answer: dict[str, Any], remove=None) -> EvictionPlan:
-        return cls(dict(answer.get("removed", {})), dict(answer.get("skipped_pinned", {})), list(answer["chunks"]),
+    def from_dict(cls, answer: dict[str, Any], selection: Selection | None = None) -> EvictionPlan:
+        return cls(dict(answer.get("removed", {})), dict(answer.get("skipped_pinned", {})), tuple(answer["chunks"]),
                    None if "held_by_lmcache" not in answer else dict(answer["held_by_lmcache"]),
-                   answer.get("dry_run", True), dict(answer.get("errors", {})), remove,
-                   list(answer.get("cleared_whole", [])))
+                   answer.get("dry_run", True), dict(answer.get("errors", {})),
+                   tuple(answer.get("cleared_whole", ())), selection)
+
+
+TierRemover = Callable[[str, list[str]], EvictionPlan]  # (tier, planned keys) -> what that tier's removal did
+
+
+def execute_plan(plan: EvictionPlan, remove: TierRemover) -> EvictionPlan:
+    """Remove exactly the planned chunks through an instance's `remove`, tier by tier (chunks written
+    since the plan are not taken); what got held since is kept and counted. A tier that fails is named
+    in `errors` and the others go on, so what was removed is still reported; when every tier fails,
+    its error. The answer keeps the plan's class (its extra fields as planned)."""
+    by_tier: dict[str, list[str]] = {tier: [] for tier in plan.cleared_whole}
+    for chunk in plan.chunks:
+        by_tier.setdefault(chunk["tier"], []).append(chunk["key"])
+    done, errors, failures = plan.untouched(), {}, []
+    for tier, keys in by_tier.items():
+        try:
+            answer = remove(tier, keys)
+        except KvctlError as error:
+            errors[tier] = error.message
+            failures.append(error)
+            continue
+        done = replace(done, removed={**done.removed, tier: answer.removed.get(tier, 0)}).merged(
+            EvictionPlan({}, answer.skipped_pinned, answer.chunks, answer.held_by_lmcache))
+    if failures and len(failures) == len(by_tier):
+        raise failures[0]
+    return replace(done, errors=errors)
+
+
+def removed_from(tier: str, gone: Sequence[str]) -> EvictionPlan:
+    """One tier's part of an executed plan: the chunks `gone` were removed from `tier`."""
+    return EvictionPlan({tier: len(gone)}, {tier: 0}, tuple({"tier": tier, "key": key} for key in gone),
+                        dry_run=False)
 
 
 # A pin set's pins are `set-NAME-DIGEST` (kvctl.core.pins.pinsets): the engine's pin ids are 1-64 of [A-Za-z0-9_-].
@@ -314,28 +326,34 @@ class ChunkStore(Protocol):
 
 
 def plan_store_eviction(stores: Sequence[ChunkStore], selection: Selection, model: str | None,
-                        wanted: Sequence[str] | None = None, pinned: frozenset[str] | set[str] = frozenset(),
-                        remove: Callable[[ChunkStore, list[str]], list[str]] | None = None) -> EvictionPlan:
+                        wanted: Sequence[str] | None = None,
+                        pinned: frozenset[str] | set[str] = frozenset()) -> EvictionPlan:
     """Plan an eviction over stores read directly. `wanted`: the selected chunk keys (a prompt's or
-    given ones; None: every chunk of `model`). Pinned keys stay unless `selection.force`. The plan's
-    execute() removes through `remove(store, keys)` (default: the store's own remove)."""
-    present = [store.tier for store in stores]
-    plan = EvictionPlan()
+    given ones; None: every chunk of `model`). Pinned keys stay unless `selection.force`."""
+    removed, skipped, chunks = {}, {}, []
     by_tier = {store.tier: store for store in stores}
-    for tier in selection.chosen(present):
+    for tier in selection.chosen(list(by_tier)):
         store = by_tier[tier]
         held = store.chunk_keys(model) if wanted is None else store.held(list(dict.fromkeys(wanted)))
         going = [key for key in held if selection.force or key not in pinned]
-        plan.removed[tier], plan.skipped_pinned[tier] = len(going), len(held) - len(going)
-        plan.chunks.extend({"tier": tier, "key": key} for key in going)
+        removed[tier], skipped[tier] = len(going), len(held) - len(going)
+        chunks.extend({"tier": tier, "key": key} for key in going)
+    return EvictionPlan(removed, skipped, tuple(chunks), selection=selection)
+
+
+def store_remover(stores: Sequence[ChunkStore],
+                  remove: Callable[[ChunkStore, list[str]], list[str]] | None = None) -> TierRemover:
+    """Removal from stores read directly, through `remove(store, keys)` (default: the store's own), each
+    tier counted from what really went."""
+    by_tier = {store.tier: store for store in stores}
 
     def remove_keys(tier: str, keys: list[str]) -> EvictionPlan:
+        if tier not in by_tier:
+            raise UsageError(f"this instance has no {tier} tier (it has {', '.join(by_tier) or 'none'})")
         store = by_tier[tier]
-        gone = (remove or (lambda chosen, names: chosen.remove(names)))(store, keys)
-        return EvictionPlan({tier: len(gone)}, {tier: 0}, [{"tier": tier, "key": key} for key in gone], dry_run=False)
+        return removed_from(tier, store.remove(keys) if remove is None else remove(store, keys))
 
-    plan.remove = remove_keys
-    return plan
+    return remove_keys
 
 
 class Instance(Protocol):
@@ -361,7 +379,11 @@ class Instance(Protocol):
     def list(self, tiers: Sequence[str] | None, model: str | None, limit: int) -> Listing:
         """The chunks per tier."""
 
-    def plan_eviction(self, selection: Selection) -> EvictionPlan: ...
+    def plan_eviction(self, selection: Selection) -> EvictionPlan:
+        """The dry run: what an eviction of `selection` removes here, chunk by chunk."""
+
+    def execute_eviction(self, plan: EvictionPlan) -> EvictionPlan:
+        """Remove exactly what `plan` (this instance's own) names, through execute_plan: the executed result."""
 
     def pin(self, tokens: list[int], ttl_s: float | None, tiers: Sequence[str] | None,
             model: str | None = None) -> Pin | CoordinatorPin | ControllerPin: ...

@@ -18,8 +18,17 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from kvctl.core.errors import ExitCode
-from kvctl.core.instance.offline import OfflineInstance, RunningEngine
-from kvctl.core.instance.protocol import EvictionPlan, Pin, PinList, Selection, StoredChunk, Unpinned, Unsupported
+from kvctl.core.instance.offline import OfflineEvictionPlan, OfflineInstance, RunningEngine
+from kvctl.core.instance.protocol import (
+    EvictionPlan,
+    Pin,
+    PinList,
+    Selection,
+    StoredChunk,
+    TierRemover,
+    Unpinned,
+    Unsupported,
+)
 from kvctl.core.lmcache.deployment import Deployment, read_deployment
 
 if TYPE_CHECKING:
@@ -114,10 +123,10 @@ class StockEngineInstance(OfflineInstance):
             raise needs_routes("evicting a prompt's or given chunks from the CPU tier", "POST /kvctl/v1/evict")
         others = tuple(tier for tier in selection.tiers or ("all",) if tier != "cpu")
         nothing_else = not others or (others == ("all",) and not self.deployment.stores)  # a CPU-only engine
-        plan = EvictionPlan() if nothing_else else super().plan_eviction(replace(selection, tiers=others))
+        plan = OfflineEvictionPlan() if nothing_else else super().plan_eviction(replace(selection, tiers=others))
+        plan = replace(plan, selection=selection)
         if cpu and selection.whole_tiers:
-            plan.cleared_whole.append("cpu")
-            plan.remove = self._clearing_cpu(plan.remove)
+            plan = replace(plan, cleared_whole=(*plan.cleared_whole, "cpu"))
             self.notes.append("the CPU tier is cleared whole through LMCache's DELETE /cache/clear (every model's "
                               "chunks on it; pinned ones stay): counted only after")
         elif cpu:
@@ -127,9 +136,11 @@ class StockEngineInstance(OfflineInstance):
                               "drops the key): a lookup through it may count it until then")
         return plan
 
-    def _clearing_cpu(self, remove_stored):
-        """The plan's remove, with the CPU tier cleared by the engine itself (tokens -> chunks)."""
+    def _tier_remover(self, selection: Selection) -> TierRemover:
+        """The stores' removal, with the CPU tier cleared by the engine itself (tokens -> chunks)."""
         from kvctl.clients.internal_api import InternalAPIClient
+
+        remove_stored = super()._tier_remover(selection)
 
         def remove(tier: str, keys: list[str]) -> EvictionPlan:
             if tier != "cpu":
@@ -137,7 +148,7 @@ class StockEngineInstance(OfflineInstance):
             with InternalAPIClient(self.worker0) as worker:
                 removed = int(worker.clear(["LocalCPUBackend"]).get("num_removed") or 0)
             chunk = int(self.deployment.settings.get("chunk_size") or 256)
-            return EvictionPlan({"cpu": -(-removed // chunk)}, {"cpu": 0}, [], dry_run=False)
+            return EvictionPlan({"cpu": -(-removed // chunk)}, {"cpu": 0}, dry_run=False)
 
         return remove
 
