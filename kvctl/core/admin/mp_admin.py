@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvctl.core.common.display import shown
@@ -130,7 +130,7 @@ def status(instance) -> StorageStatus:
         return storage_status(server)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Change:
     """One reconfiguration: what is sent, why it needs a yes (`risk`, None: it cannot drop cached
     data), the server's answer (None in a dry run) and the status (before a dry run, after a change)."""
@@ -213,18 +213,16 @@ def plan(instance, action: str, tier: str, device: str, size: int | None = None,
 
 
 def apply(instance, change: Change) -> Change:
-    """Send `change` (from plan); the answer and the status after it."""
+    """Send `change` (from plan): the change sent, with the server's answer and the status after it."""
     from kvctl.clients.mp_server import MPServerClient
 
     with MPServerClient(instance.mp_server_url("storage reconfigurations")) as server:
         try:
-            change.answer = server.reconfigure(change.path, change.body)
+            answer = server.reconfigure(change.path, change.body)
         except RejectedError as error:
             error.hint = "the server's reason says why; kvctl reconfigure status shows its devices"
             raise
-        change.status = storage_status(server)
-    change.dry_run = False
-    return change
+        return replace(change, answer=answer, status=storage_status(server), dry_run=False)
 
 
 # -- checksums --------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ import glob
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -179,7 +179,7 @@ def _tiers(path: Path, where: str, value: Any) -> tuple[str, ...] | None:
 PIN, REFRESH, RELEASE, UNCHANGED = "pin", "refresh", "release", "unchanged"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Step:
     """What applying does with one pin: an entry's (pin, refresh, unchanged) or a stale one's (release)."""
 
@@ -207,14 +207,14 @@ class Step:
         return answer
 
 
-@dataclass
+@dataclass(frozen=True)
 class Application:
     """A set's plan on one instance (a dry run), or what applying it did."""
 
     set: str
     file: str
     instance: str
-    steps: list[Step]
+    steps: tuple[Step, ...]
     dry_run: bool = True
 
     def of(self, action: str) -> list[Step]:
@@ -251,18 +251,15 @@ def plan(pin_set: PinSet, instance, model: str | None = None) -> Application:
         if pin is None:
             steps.append(Step(PIN, pin_id, entry, tokens))
             continue
-        step = Step(UNCHANGED, pin_id, entry, tokens, None, pin.chunks, _cached(pin), dict(pin.pinned))
-        if entry.ttl_s is not None:
-            step.action, step.why = REFRESH, "ttl"
-        elif pin.expires is not None:
-            step.action, step.why = REFRESH, "ttl dropped"
-        elif step.cached_chunks < pin.chunks:
-            step.action, step.why = REFRESH, "uncached chunks"
-        steps.append(step)
+        cached = _cached(pin)
+        why = ("ttl" if entry.ttl_s is not None else "ttl dropped" if pin.expires is not None
+               else "uncached chunks" if cached < pin.chunks else None)
+        steps.append(Step(UNCHANGED if why is None else REFRESH, pin_id, entry, tokens, why, pin.chunks, cached,
+                          dict(pin.pinned)))
     for pin_id, pin in held.items():
         if pin_set.holds(pin_id) and pin_id not in wanted:
             steps.append(Step(RELEASE, pin_id, None, [], None, pin.chunks, _cached(pin), dict(pin.pinned)))
-    return Application(pin_set.name, str(pin_set.path), instance.name, steps)
+    return Application(pin_set.name, str(pin_set.path), instance.name, tuple(steps))
 
 
 def _ledger_plan(pin_set: PinSet, instance, model: str | None) -> Application:
@@ -290,7 +287,7 @@ def _ledger_plan(pin_set: PinSet, instance, model: str | None) -> Application:
         steps.append(Step(action, pin_id, entry, tokens, why, len(keys), held, recorded=ledger.entries.get(pin_id)))
     steps += [Step(RELEASE, pin_id, None, record["tokens"], recorded=record)
               for pin_id, record in ledger.entries.items() if pin_id not in wanted]
-    return Application(pin_set.name, str(pin_set.path), instance.name, steps)
+    return Application(pin_set.name, str(pin_set.path), instance.name, tuple(steps))
 
 
 def execute(application: Application, instance, model: str | None = None, prewarm: bool = True) -> Application:
@@ -308,45 +305,50 @@ def execute(application: Application, instance, model: str | None = None, prewar
 
 
 def _execute(application: Application, instance, model: str | None, prewarm: bool, ledger) -> Application:
+    order = {RELEASE: 0, REFRESH: 1, PIN: 2, UNCHANGED: 3}
+    steps = list(application.steps)
+    for index in sorted(range(len(steps)), key=lambda index: order[steps[index].action]):
+        steps[index] = _execute_step(steps[index], instance, model, prewarm, ledger)
+    return replace(application, steps=tuple(steps), dry_run=False)
+
+
+def _execute_step(step: Step, instance, model: str | None, prewarm: bool, ledger) -> Step:
+    """One step applied: the step as it went (its counts and prefill, or its error)."""
     from kvctl.core.instance.protocol import Pin
 
-    order = {RELEASE: 0, REFRESH: 1, PIN: 2, UNCHANGED: 3}
-    for step in sorted(application.steps, key=lambda step: order[step.action]):
-        if step.action == UNCHANGED:
-            continue
-        if ledger is not None and ledger.entries.get(step.pin_id) != step.recorded:
-            step.action, step.why = UNCHANGED, "applied by another kvctl since the plan"
-            continue
-        try:
-            if step.action == RELEASE and ledger is not None:
-                instance.unpin(tokens=step.tokens, model=ledger.entries[step.pin_id]["model"])
-                ledger.forget(step.pin_id)
-                continue
-            if step.action == RELEASE:
-                try:
-                    instance.unpin(pin_id=step.pin_id, model=model)
-                except RejectedError:  # gone since the plan (its TTL ended): nothing left to release
-                    pass
-                continue
-            entry = step.entry
-            if prewarm and instance.vllm_url:
-                try:
-                    step.prewarm = _prewarm(instance, step, model)
-                except KvctlError as error:  # pinned all the same: what is cached is held
-                    step.prewarm = f"not prefilled: {error.message}"
-            if ledger is not None:  # the coordinator's pin: no id, no ttl, no tiers
-                held = instance.pin(step.tokens, None, None, model)
-                step.chunks, step.cached_chunks = held.requested, min(held.affected, held.requested)
-                ledger.record(step.pin_id, entry.label, held.model, step.tokens)
-                continue
-            pin = instance.pin(step.tokens, entry.ttl_s, entry.tiers, model, pin_id=step.pin_id,
-                               replace=step.action == REFRESH)
-            if isinstance(pin, Pin):
-                step.chunks, step.cached_chunks, step.pinned = pin.chunks, _cached(pin), dict(pin.pinned)
-        except KvctlError as error:
-            step.error = error.message
-    application.dry_run = False
-    return application
+    if step.action == UNCHANGED:
+        return step
+    if ledger is not None and ledger.entries.get(step.pin_id) != step.recorded:
+        return replace(step, action=UNCHANGED, why="applied by another kvctl since the plan")
+    try:
+        if step.action == RELEASE and ledger is not None:
+            instance.unpin(tokens=step.tokens, model=ledger.entries[step.pin_id]["model"])
+            ledger.forget(step.pin_id)
+            return step
+        if step.action == RELEASE:
+            try:
+                instance.unpin(pin_id=step.pin_id, model=model)
+            except RejectedError:  # gone since the plan (its TTL ended): nothing left to release
+                pass
+            return step
+        entry = step.entry
+        if prewarm and instance.vllm_url:
+            try:
+                step = replace(step, prewarm=_prewarm(instance, step, model))
+            except KvctlError as error:  # pinned all the same: what is cached is held
+                step = replace(step, prewarm=f"not prefilled: {error.message}")
+        if ledger is not None:  # the coordinator's pin: no id, no ttl, no tiers
+            held = instance.pin(step.tokens, None, None, model)
+            step = replace(step, chunks=held.requested, cached_chunks=min(held.affected, held.requested))
+            ledger.record(step.pin_id, entry.label, held.model, step.tokens)
+            return step
+        pin = instance.pin(step.tokens, entry.ttl_s, entry.tiers, model, pin_id=step.pin_id,
+                           replace=step.action == REFRESH)
+        if isinstance(pin, Pin):
+            step = replace(step, chunks=pin.chunks, cached_chunks=_cached(pin), pinned=dict(pin.pinned))
+        return step
+    except KvctlError as error:
+        return replace(step, error=error.message)
 
 
 def apply(path: Path, instance, dry_run: bool = False, model: str | None = None, prewarm: bool = True) -> Application:
