@@ -7,10 +7,11 @@ KVCTL := .venv/bin/kvctl
 setup:
 	@./scripts/setup
 
-# Real servers, three test files at a time (pytest-xdist): most of a test's time is spent waiting on a
-# process it started; a file stays whole on one worker, sharing its servers.
+# Real servers, three at a time (pytest-xdist): most of a test's time is spent waiting on a process it
+# started; a file stays whole on one worker, sharing its servers, except end-to-end tests, which spread
+# (tests/conftest.py: the schedule, longest first).
 test: setup lint
-	$(PY) -m pytest -n 3 --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -n 3 --dist loadgroup $(PYTEST_ARGS)
 
 # The in-memory layer, the pure functions, the commands and the property layer on a small budget:
 # under 30 s on two cores, no servers started.

@@ -10,11 +10,27 @@ from tests.helpers import VENV_BIN, free_port, start_process, stop_process, wait
 
 # The property layer (tests/property): a few thousand examples per target in `make test`, a small budget in
 # `make test-fast` (--hypothesis-profile=quick). No deadline: a 2-core CI machine is slow, not wrong.
-settings.register_profile("thorough", max_examples=2000, deadline=None,
+settings.register_profile("thorough", max_examples=1000, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 settings.register_profile("quick", max_examples=60, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 settings.load_profile("thorough")
+
+# make test's schedule (pytest-xdist --dist loadgroup), longest first: an end-to-end test starts its own vLLM
+# and shares nothing, so each goes to whichever worker is free; every other file stays whole on one worker,
+# where its tests share their servers (module fixtures).
+SCHEDULE = ("tests/e2e/", "tests/property/", "tests/integration/")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item) -> int:
+        return next((index for index, prefix in enumerate(SCHEDULE) if item.nodeid.startswith(prefix)),
+                    len(SCHEDULE))
+
+    for item in items:
+        if not item.nodeid.startswith(SCHEDULE[0]):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    items.sort(key=rank)  # stable: a file's tests stay together and in order
 
 
 @dataclass

@@ -150,3 +150,24 @@ def test_a_plan_on_free_ports_passes(tmp_path):
                       internal_api_port_start=start, write=False)
     preflight(plan)  # refuses by raising
     assert [use.port for use in plan.ports[1:]] == [start, start + 1]
+
+
+@pytest.mark.parametrize(("model", "extra", "eager"), [
+    (None, [], True),  # the embedded default, before it is built
+    ("tiny-by-path", [], True),
+    ("tiny-by-path", ["-O3"], False),  # the user's own compilation choice wins
+    ("tiny-by-path", ["--compilation-config", "{}"], False),
+    ("org/m", [], False),  # a real model keeps vLLM's default (compiled)
+])
+def test_the_tiny_model_is_served_eagerly_unless_told(tmp_path, model, extra, eager):
+    from kvctl.core.serve.tiny_model import MARKER
+
+    if model == "tiny-by-path":
+        model = tmp_path / "tiny"
+        model.mkdir()
+        (model / MARKER).write_text("")
+    plan = build_plan(model=model and str(model), mode="mp", tiers=[parse_tier("cpu:1")], config=None, write=False,
+                      extra_vllm_args=extra)
+    argv = component(plan, "vllm").argv
+    assert ("--enforce-eager" in argv) is eager
+    assert argv.count("--enforce-eager") <= 1

@@ -41,6 +41,7 @@ from kvctl.core.lmcache.config import (
 from kvctl.core.lmcache.tiers import TierSpec
 from kvctl.core.serve.platform import vllm_block_size
 from kvctl.core.serve.state import default_state_file, named_state_file, serve_dir
+from kvctl.core.serve.tiny_model import is_tiny_model
 
 DEFAULT_PORT = 8000
 DEFAULT_COORDINATOR_PORT = 9300
@@ -198,6 +199,16 @@ def check_installed() -> None:
                          hint="run the set-up command: ./scripts/setup (or make setup)")
 
 
+COMPILE_FLAGS = ("--enforce-eager", "--no-enforce-eager", "-O", "--compilation-config", "-cc")
+
+
+def eager_unless_told(vllm_args: list[str]) -> list[str]:
+    """The tiny model runs eagerly: compiling two random layers costs a start 15 s or more and saves nothing.
+    Any compilation flag of the user's own wins."""
+    told = any(arg.split("=", 1)[0] in COMPILE_FLAGS or arg.startswith("-O") for arg in vllm_args)
+    return list(vllm_args) if told else ["--enforce-eager", *vllm_args]
+
+
 def build_plan(*, name: str = "default", model: str | None, mode: str = "inprocess", tiers: list[TierSpec],
                config: Path | None, host: str = LOOPBACK, port: int = DEFAULT_PORT,
                internal_api_port_start: int = DEFAULT_INTERNAL_API_PORT_START, mp_port: int = DEFAULT_MP_PORT,
@@ -294,8 +305,9 @@ def build_plan(*, name: str = "default", model: str | None, mode: str = "inproce
     if generated is not None and write:
         write_files(replace(generated, lmcache=lmcache_values).render(config.absolute()), config, force=True)
     vllm_env = dict(env)
-    if model == str(models_dir() / "tiny"):
+    if model == str(models_dir() / "tiny") or is_tiny_model(model):  # the embedded default, or one by path
         vllm_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # the tiny model needs little KV space
+        extra_vllm_args = eager_unless_told(extra_vllm_args)
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host.strip("[]"),
             "--port", str(port), "--kv-transfer-config", json.dumps(kv_transfer), *extra_vllm_args]
     served = flag_value(extra_vllm_args, "--served-model-name") or model

@@ -30,8 +30,9 @@ CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
+MARKER = "kvctl-tiny-model"  # says "this is kvctl's tiny model" to kvctl serve, wherever the directory is
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-               "tokenizer_config.json", "chat_template.jinja")
+               "tokenizer_config.json", "chat_template.jinja", MARKER)
 
 
 def corpus_files() -> list[Path]:
@@ -88,12 +89,18 @@ def build_tiny_model(target: Path, force: bool = False) -> Path:
     try:
         tokenizer = build_tokenizer(staging)
         build_model(staging, tokenizer)
+        (staging / MARKER).write_text("built by `kvctl model tiny`: random weights, for trying kvctl\n")
         if target.exists():
             shutil.rmtree(target)
         staging.rename(target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def is_tiny_model(model: str) -> bool:
+    """Whether vLLM's --model names a directory kvctl's tiny model builder made."""
+    return (Path(model) / MARKER).is_file()
 
 
 def model_digest(directory: Path) -> str:
