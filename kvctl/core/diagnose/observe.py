@@ -153,7 +153,7 @@ def _coordinator(instance) -> str | None:
     """The coordinator an MP instance's pins go to, as `kvctl pin` finds it (None: it has none)."""
     from kvctl.core.instance.mp import coordinator_url
 
-    if instance.mode != "mp":
+    if not instance.mp_http:  # an in-process instance pins through its engine
         return None
     try:
         return coordinator_url(None, instance.config_dir, instance.coordinator)

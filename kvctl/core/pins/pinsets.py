@@ -236,11 +236,9 @@ class Application:
 
 def plan(pin_set: PinSet, instance, model: str | None = None) -> Application:
     """The diff of the set against the instance's pins: nothing changes."""
-    from kvctl.core.instance.protocol import Pin
-
     if not instance.pin_ids:
         return _ledger_plan(pin_set, instance, model)
-    held = {pin.pin_id: pin for pin in instance.pins(model).pins if isinstance(pin, Pin)}
+    held = {pin.pin_id: pin for pin in instance.pins(model).pins}  # pins with ids: kvctl's own (Pin)
     steps: list[Step] = []
     wanted: set[str] = set()
     for entry in pin_set.entries:
@@ -314,7 +312,6 @@ def _execute(application: Application, instance, model: str | None, prewarm: boo
 
 def _execute_step(step: Step, instance, model: str | None, prewarm: bool, ledger) -> Step:
     """One step applied: the step as it went (its counts and prefill, or its error)."""
-    from kvctl.core.instance.protocol import Pin
 
     if step.action == UNCHANGED:
         return step
@@ -344,9 +341,7 @@ def _execute_step(step: Step, instance, model: str | None, prewarm: bool, ledger
             return step
         pin = instance.pin(step.tokens, entry.ttl_s, entry.tiers, model, pin_id=step.pin_id,
                            replace=step.action == REFRESH)
-        if isinstance(pin, Pin):
-            step = replace(step, chunks=pin.chunks, cached_chunks=_cached(pin), pinned=dict(pin.pinned))
-        return step
+        return replace(step, chunks=pin.chunks, cached_chunks=_cached(pin), pinned=dict(pin.pinned))
     except KvctlError as error:
         return replace(step, error=error.message)
 
