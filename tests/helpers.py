@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -221,20 +221,118 @@ def edit_yaml(path: Path, **changes) -> None:
     path.write_text(yaml.safe_dump(values))
 
 
-@contextlib.contextmanager
-def standalone_engine(root: Path, *init_args, **yaml_changes) -> collections.abc.Iterator[str]:
-    """A standalone engine of a fresh `kvctl config init --out root/cfg *init_args` (its lmcache.yaml
-    changed by `yaml_changes`), ready; yields worker 0's internal API URL and stops the engine after."""
-    port_start = free_port()
+@dataclass
+class Engine:
+    """A standalone LMCache engine (standalone_argv) on the `kvctl config init` directory root/cfg: started
+    (ready: worker `worker_id`'s /lmc_version answers), stopped, started again on the same configuration;
+    `with` runs it for the block. Its log is root/engine.log (rank<r>.log for one rank of several), then
+    engine-2.log ... after restarts."""
+
+    root: Path
+    env: dict = field(default_factory=dict)
+    chunk: int = 256
+    model: str = "tiny"
+    world_size: int = 1
+    worker_id: int = 0
+    plugins: bool = True
+    redis: object = None  # a client of the redis-server of its Redis tier, where the test gave one
+    proc: subprocess.Popen | None = None
+    starts: int = 0
+    grace: float = 5
+
+    @property
+    def config(self) -> Path:
+        return self.root / "cfg"
+
+    @property
+    def port_start(self) -> int:
+        return int(self._yaml()["internal_api_server_port_start"])
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port_start + 1 + self.worker_id}"
+
+    @property
+    def log(self) -> Path:
+        name = "engine" if self.world_size == 1 else f"rank{self.worker_id}"
+        return self.root / (f"{name}.log" if self.starts <= 1 else f"{name}-{self.starts}.log")
+
+    def rank(self, worker_id: int) -> Engine:
+        """Another rank of this tensor-parallel engine, on the same configuration, not started."""
+        return replace(self, worker_id=worker_id, proc=None, starts=0)
+
+    def launch(self) -> Engine:
+        """Start the process without waiting for it (start several, then `ready` each)."""
+        self.starts += 1
+        argv = standalone_argv(self.config, self.chunk, self.model, self.world_size, self.worker_id, self.plugins)
+        self.proc = start_process(argv, self.log, self.env)
+        self.grace = 2 if self._yaml().get("remote_url") else 5  # LMCache 0.5.6 never exits on SIGTERM with Redis
+        return self
+
+    def ready(self) -> Engine:
+        """Wait until the engine answers; one that never does is stopped and the failure raised."""
+        try:
+            wait_until(lambda: http_json("GET", f"{self.url}/lmc_version"), 120, f"standalone engine {self.root.name}",
+                       self.proc, self.log)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def start(self) -> Engine:
+        return self.launch().ready()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process(self.proc, self.grace)
+
+    def restart(self) -> Engine:
+        self.stop()
+        return self.start()
+
+    def __enter__(self) -> Engine:
+        return self if self.proc is not None and self.proc.poll() is None else self.start()
+
+    def __exit__(self, *_exc) -> None:
+        self.stop()
+
+    def kvctl(self, *args, env: dict | None = None) -> Result:
+        """`kvctl ARGS --instance URL --format json`."""
+        return run_kvctl(*args, "--instance", self.url, "--format", "json", env=env)
+
+    def answer(self, *args):
+        """The JSON a successful `self.kvctl(*args)` prints."""
+        result = self.kvctl(*args)
+        assert result.code == 0, result.stderr
+        return json.loads(result.stdout)
+
+    def _yaml(self) -> dict:
+        import yaml
+
+        return yaml.safe_load((self.config / "lmcache.yaml").read_text())
+
+
+def init_engine(root: Path, *init_args, port_span: int = 2, env: dict | None = None, chunk: int = 256,
+                model: str = "tiny", world_size: int = 1, plugins: bool = True, redis=None,
+                **yaml_changes) -> Engine:
+    """`kvctl config init --out root/cfg *init_args` on free ports (`port_span` of them: more for several
+    ranks or a controller worker port), its lmcache.yaml changed by `yaml_changes`: the Engine on it, not
+    started (`with init_engine(...) as engine:` runs it); `redis`, a RedisServer, gives it `redis`, a client."""
+    port_start = free_port(port_span)
     init = run_kvctl("config", "init", "--out", root / "cfg", *init_args, "--internal-api-port-start", port_start)
     assert init.code == 0, init.stderr
     if yaml_changes:
         edit_yaml(root / "cfg" / "lmcache.yaml", **yaml_changes)
-    log = root / "engine.log"
-    proc = start_standalone_engine(root / "cfg", log)
-    url = f"http://127.0.0.1:{port_start + 1}"
-    try:
-        wait_until(lambda: http_json("GET", f"{url}/lmc_version"), 120, "standalone engine", proc, log)
-        yield url
-    finally:
-        stop_process(proc, grace=5)
+    return Engine(root, dict(env or {}), chunk, model, world_size, plugins=plugins, redis=redis and redis.client())
+
+
+def tier_args(*tiers: str) -> list[str]:
+    """`--tier T` for each tier."""
+    return [arg for tier in tiers for arg in ("--tier", tier)]
+
+
+@contextlib.contextmanager
+def standalone_engine(root: Path, *init_args, **yaml_changes) -> collections.abc.Iterator[str]:
+    """A ready engine of `init_engine(root, *init_args, **yaml_changes)`; yields worker 0's internal API URL."""
+    with init_engine(root, *init_args, **yaml_changes) as engine:
+        yield engine.url
