@@ -9,47 +9,18 @@ import pytest
 from kvctl.cli.serve import _apply_pins
 from kvctl.core.pins import pinsets
 from kvctl.output import Output
-from tests.helpers import free_port, http_json, run_kvctl, start_standalone_engine, stop_process, wait_until
+from tests.helpers import http_json, init_engine, tier_args, wait_until
 
 CHUNK = 256
 SET = "name: hot\npins:\n  - tokens_file: prompts/a.json\n    ttl: 10m\n  - tokens_file: prompts/b.json\n"
 EDITED = "name: hot\npins:\n  - tokens_file: prompts/a.json\n    ttl: 1h\n"
 
 
-class Engine:
-    """A standalone engine that can be stopped and started again on the same configuration."""
-
-    def __init__(self, root, port_start: int) -> None:
-        self.root, self.url, self.starts, self.proc = root, f"http://127.0.0.1:{port_start + 1}", 0, None
-
-    def start(self) -> None:
-        self.starts += 1
-        log = self.root / f"engine-{self.starts}.log"
-        self.proc = start_standalone_engine(self.root / "cfg", log)
-        wait_until(lambda: http_json("GET", f"{self.url}/lmc_version"), 120, "standalone engine", self.proc, log)
-
-    def stop(self) -> None:
-        stop_process(self.proc, grace=5)
-
-
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     root = tmp_path_factory.mktemp("pin-sets")
-    port_start = free_port()
-    assert run_kvctl("config", "init", "--out", root / "cfg", "--tier", "cpu:0.1", "--tier", f"disk:{root}/disk:1",
-                     "--internal-api-port-start", port_start).code == 0
-    running = Engine(root, port_start)
-    running.start()
-    try:
-        yield running
-    finally:
-        running.stop()
-
-
-def kvctl(engine, *args):
-    result = run_kvctl(*args, "--instance", engine.url, "--format", "json")
-    assert result.code == 0, result.stderr
-    return json.loads(result.stdout)
+    with init_engine(root, *tier_args("cpu:0.1", f"disk:{root}/disk:1")) as started:
+        yield started
 
 
 def store(engine, name: str, start: int, chunks: int):
@@ -58,8 +29,8 @@ def store(engine, name: str, start: int, chunks: int):
     path = engine.root / "set" / "prompts" / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(list(range(start, start + chunks * CHUNK))))
-    wait_until(lambda: all(chunk["tiers"] == ["cpu", "disk"] for chunk in kvctl(engine, "lookup", "--tokens-file",
-                                                                                path)["chunks"]), 30, "stored chunks")
+    wait_until(lambda: all(chunk["tiers"] == ["cpu", "disk"]
+                           for chunk in engine.answer("lookup", "--tokens-file", path)["chunks"]), 30, "stored chunks")
     return path
 
 
@@ -73,50 +44,49 @@ def test_a_pin_set_is_applied_edited_and_applied_again_after_a_restart(engine):
     a, _b, c = store(engine, "a", 0, 2), store(engine, "b", 10_000, 1), store(engine, "c", 20_000, 1)
     pin_set = engine.root / "set" / "pins.yaml"
     pin_set.write_text(SET)
-    plain = kvctl(engine, "pin", "--tokens-file", c)
+    plain = engine.answer("pin", "--tokens-file", c)
 
-    dry = kvctl(engine, "pin", "apply", pin_set, "--dry-run")
+    dry = engine.answer("pin", "apply", pin_set, "--dry-run")
     assert dry["dry_run"] and dry["counts"] == {"pin": 2, "refresh": 0, "release": 0, "unchanged": 0}
-    assert [pin["pin_id"] for pin in kvctl(engine, "pins")["pins"]] == [plain["pin_id"]]
+    assert [pin["pin_id"] for pin in engine.answer("pins")["pins"]] == [plain["pin_id"]]
 
-    applied = kvctl(engine, "pin", "apply", pin_set)
+    applied = engine.answer("pin", "apply", pin_set)
     assert steps(applied) == {"prompts/a.json": ("pin", 2, 2), "prompts/b.json": ("pin", 1, 1)}
     ids = {step["file"]: step["pin_id"] for step in applied["steps"]}
-    held = {pin["pin_id"]: pin for pin in kvctl(engine, "pins")["pins"]}
+    held = {pin["pin_id"]: pin for pin in engine.answer("pins")["pins"]}
     assert set(held) == {plain["pin_id"], *ids.values()} and "set" not in held[plain["pin_id"]]
     assert {held[pin_id]["set"] for pin_id in ids.values()} == {"hot"}
     assert held[ids["prompts/a.json"]]["pinned"] == {"cpu": 2, "disk": 2}
     assert 590 < held[ids["prompts/a.json"]]["ttl_remaining_s"] <= 600
     assert held[ids["prompts/b.json"]]["expires"] is None
 
-    again = kvctl(engine, "pin", "apply", pin_set, "--dry-run")
+    again = engine.answer("pin", "apply", pin_set, "--dry-run")
     assert steps(again) == {"prompts/a.json": ("refresh", 2, 2), "prompts/b.json": ("unchanged", 1, 1)}
 
     pin_set.write_text(EDITED)  # b dropped, a's ttl changed
-    dry = kvctl(engine, "pin", "apply", pin_set, "--dry-run")
+    dry = engine.answer("pin", "apply", pin_set, "--dry-run")
     assert steps(dry) == {"prompts/a.json": ("refresh", 2, 2), ids["prompts/b.json"]: ("release", 1, 1)}
-    unchanged = {pin["pin_id"]: pin["expires"] for pin in kvctl(engine, "pins")["pins"]}
+    unchanged = {pin["pin_id"]: pin["expires"] for pin in engine.answer("pins")["pins"]}
     assert unchanged == {pin_id: pin["expires"] for pin_id, pin in held.items()}  # the dry run changed nothing
-    done = kvctl(engine, "pin", "apply", pin_set)
+    done = engine.answer("pin", "apply", pin_set)
     assert done["counts"] == {"pin": 0, "refresh": 1, "release": 1, "unchanged": 0} and "errors" not in done
-    after = {pin["pin_id"]: pin for pin in kvctl(engine, "pins")["pins"]}
+    after = {pin["pin_id"]: pin for pin in engine.answer("pins")["pins"]}
     assert set(after) == {plain["pin_id"], ids["prompts/a.json"]}  # the plain pin is untouched
     assert 3590 < after[ids["prompts/a.json"]]["ttl_remaining_s"] <= 3600
-    replaced = kvctl(engine, "evict", "--tokens-file", a, "--dry-run")  # the refreshed pin holds a's chunks
+    replaced = engine.answer("evict", "--tokens-file", a, "--dry-run")  # the refreshed pin holds a's chunks
     assert replaced["removed"] == {"cpu": 0, "disk": 0} and replaced["skipped_pinned"] == {"cpu": 2, "disk": 2}
-    kvctl(engine, "unpin", "--pin-id", ids["prompts/a.json"])
-    freed = kvctl(engine, "evict", "--tokens-file", a, "--dry-run")  # and the pin it replaced left no hold behind
+    engine.answer("unpin", "--pin-id", ids["prompts/a.json"])
+    freed = engine.answer("evict", "--tokens-file", a, "--dry-run")  # and the pin it replaced left no hold behind
     assert freed["removed"] == {"cpu": 2, "disk": 2} and freed["held_by_lmcache"] == {"cpu": 0, "disk": 0}
 
-    engine.stop()
-    engine.start()
-    assert kvctl(engine, "pins")["pins"] == []  # pins live in the engine's memory
+    engine.restart()
+    assert engine.answer("pins")["pins"] == []  # pins live in the engine's memory
     store(engine, "a", 0, 2)
-    restarted = kvctl(engine, "pin", "apply", pin_set)
+    restarted = engine.answer("pin", "apply", pin_set)
     assert steps(restarted) == {"prompts/a.json": ("pin", 2, 2)}
-    assert [pin["pin_id"] for pin in kvctl(engine, "pins")["pins"]] == [ids["prompts/a.json"]]  # the same id
-    assert kvctl(engine, "lookup", "--tokens-file", a)["hit_tokens"]["total"] == 2 * CHUNK
-    kept = kvctl(engine, "evict", "--tokens-file", a, "--dry-run")
+    assert [pin["pin_id"] for pin in engine.answer("pins")["pins"]] == [ids["prompts/a.json"]]  # the same id
+    assert engine.answer("lookup", "--tokens-file", a)["hit_tokens"]["total"] == 2 * CHUNK
+    kept = engine.answer("evict", "--tokens-file", a, "--dry-run")
     assert kept["removed"] == {"cpu": 0, "disk": 0} and kept["skipped_pinned"] == {"cpu": 2, "disk": 2}
 
 
@@ -132,9 +102,9 @@ def test_the_serve_hook_applies_the_set_to_the_state_files_engine(engine, capsys
     shown = _apply_pins(Output("json"), state, pin_set)
     assert shown["counts"]["pin"] == 1 and "errors" not in shown
     assert "pin set boot: 1 pin" in capsys.readouterr().err
-    assert [pin["set"] for pin in kvctl(engine, "pins")["pins"] if pin.get("set") == "boot"] == ["boot"]
+    assert [pin["set"] for pin in engine.answer("pins")["pins"] if pin.get("set") == "boot"] == ["boot"]
     assert pinsets.apply_after_start(state, pin_set).as_dict()["counts"]["unchanged"] == 1  # a second start
     pin_set.write_text("name: boot\npins: [{tokens_file: missing.json}]\n")
     failed = _apply_pins(Output("json"), state, pin_set)  # a warning: serve goes on
     assert "matches no file" in failed["error"] and "warning: pin set" in capsys.readouterr().err
-    kvctl(engine, "unpin", "--all")
+    engine.answer("unpin", "--all")
