@@ -8,7 +8,7 @@ import pytest
 from kvctl.clients.internal_api import InternalAPIClient
 from kvctl.core.errors import RejectedError
 from kvctl.core.lmcache.keys import KeyRecipe, disk_file_name, inprocess_keys
-from tests.helpers import edit_yaml, free_port, http_json, run_kvctl, start_standalone_engine, stop_process, wait_until
+from tests.helpers import free_port, http_json, init_engine, run_kvctl, tier_args, wait_until
 
 CHUNK = 256
 CHUNK_BYTES = 2 * 2 * CHUNK * 64 * 2  # kv, layers, tokens, heads x head size, float16
@@ -25,22 +25,11 @@ def keys_of(token_ids):
 
 @contextlib.contextmanager
 def running_engine(root, *tiers: str, redis=None, **config):
-    """A standalone engine on the tiers `kvctl config init --tier` takes, with `config` written over its
-    lmcache.yaml; yields what the tests use (client, url, root, redis client, log)."""
-    port_start = free_port()
-    init = run_kvctl("config", "init", "--out", root / "cfg", *(arg for tier in tiers for arg in ("--tier", tier)),
-                     "--internal-api-port-start", port_start)
-    assert init.code == 0, init.stderr
-    edit_yaml(root / "cfg" / "lmcache.yaml", **config)
-    log = root / "engine.log"
-    proc = start_standalone_engine(root / "cfg", log)
-    url = f"http://127.0.0.1:{port_start + 1}"
-    try:
-        wait_until(lambda: http_json("GET", f"{url}/lmc_version"), 120, "standalone engine", proc, log)
-        with InternalAPIClient(url) as client:
-            yield {"client": client, "url": url, "root": root, "redis": redis and redis.client(), "log": log}
-    finally:
-        stop_process(proc, grace=2)  # LMCache 0.5.6 never exits on SIGTERM with a redis:// tier
+    """A ready Engine (tests/helpers) on the tiers `kvctl config init --tier` takes, with `config` written over
+    its lmcache.yaml; yields what the tests use (client, url, root, redis client, log)."""
+    with init_engine(root, *tier_args(*tiers), redis=redis, **config) as engine, \
+            InternalAPIClient(engine.url) as client:
+        yield {"client": client, "url": engine.url, "root": root, "redis": engine.redis, "log": engine.log}
 
 
 @pytest.fixture(scope="module")
@@ -194,20 +183,15 @@ def test_bad_requests_are_4xx_with_a_message(engine, call, status_words):
 
 @pytest.mark.slow
 def test_routes_over_the_unix_socket_variant(tmp_path):
-    port_start = free_port()
-    assert run_kvctl("config", "init", "--out", tmp_path / "cfg", "--tier", "cpu:0.1",
-                     "--internal-api-port-start", port_start).code == 0
     prefix = tmp_path / "sockets" / "lmcache"
-    edit_yaml(tmp_path / "cfg" / "lmcache.yaml", internal_api_server_socket_path_prefix=str(prefix))
-    log = tmp_path / "engine.log"
-    proc = start_standalone_engine(tmp_path / "cfg", log)
+    engine = init_engine(tmp_path, "--tier", "cpu:0.1", internal_api_server_socket_path_prefix=str(prefix)).launch()
     try:
-        with InternalAPIClient(f"unix:{prefix}_{port_start + 1}") as client:
-            wait_until(lambda: client.version() == "0.5.6", 120, "engine on a Unix socket", proc, log)
+        with InternalAPIClient(f"unix:{prefix}_{engine.port_start + 1}") as client:
+            wait_until(lambda: client.version() == "0.5.6", 120, "engine on a Unix socket", engine.proc, engine.log)
             assert client.info()["tiers"][0]["tier"] == "cpu"
             assert client.lookup(tokens(0, 1))["hit_tokens"]["total"] == 0
     finally:
-        stop_process(proc)
+        engine.stop()
 
 
 @pytest.mark.slow
