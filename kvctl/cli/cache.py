@@ -12,20 +12,12 @@ from typing import Annotated
 import typer
 
 from kvctl.cli import pinsets
-from kvctl.cli.fleet import emit_fleet, on_instances, open_one, run_fleet, selector
+from kvctl.cli.fleet import emit_fleet, on_instances, open_one, run_fleet
 from kvctl.cli.options import (
-    ChatFile,
-    ConfigOption,
-    CoordinatorOption,
-    FleetInstance,
-    InventoryOption,
-    ModelOption,
-    PromptFile,
-    StateOption,
     TierOption,
     TimeoutOption,
-    TokensFile,
-    VllmOption,
+    prompt_flags,
+    selector_flags,
     tier_names,
 )
 from kvctl.core.errors import ExitCode, UsageError
@@ -35,13 +27,13 @@ from kvctl.output import Table
 __all__ = ["ls", "pin", "pin_app", "pins", "unpin", "parse_duration"]
 
 
+@selector_flags("config", "instance", "state", "inventory", "model")
 def ls(
-    ctx: typer.Context,
-    tier: TierOption = None, model: ModelOption = None,
+    ctx: typer.Context, chosen,
+    tier: TierOption = None,
     limit: Annotated[int, typer.Option("--limit", min=1, help="At most this many chunks listed per tier (totals "
                                        "count them all).")] = 100,
-    config: ConfigOption = None, instance: FleetInstance = None, state: StateOption = None,
-    inventory: InventoryOption = None, timeout: TimeoutOption = 30.0,
+    timeout: TimeoutOption = 30.0,
 ) -> None:
     """List cached chunks per tier: key, size, pin state, age where known; totals per tier.
 
@@ -51,11 +43,10 @@ def ls(
     are read directly. With --instance all, every instance of the inventory is listed
     ({"instances": [...]} in JSON).
     """
-    chosen = selector(instance, state, inventory, config)
     tiers = tier_names(tier)
 
     def list_one(found):
-        return found.list(tiers, model, limit)
+        return found.list(tiers, chosen.model, limit)
 
     if chosen.fleet:
         emit_fleet(ctx.obj, run_fleet(chosen, list_one, timeout), _listing_tables)
@@ -85,14 +76,13 @@ def render_listing(out, result) -> None:
         raise typer.Exit(ExitCode.PARTIAL if result.tiers else result.failure_code)
 
 
+@prompt_flags
+@selector_flags("model", "vllm_url", "instance", "state", "inventory", "coordinator")
 def pin(
-    ctx: typer.Context,
-    prompt_file: PromptFile = None, chat: ChatFile = None, tokens_file: TokensFile = None,
-    model: ModelOption = None, vllm_url: VllmOption = None,
+    ctx: typer.Context, prompt, chosen,
     ttl: Annotated[str | None, typer.Option("--ttl", help="How long: 600, 30s, 10m, 2h, 1d (default: until "
                                             "unpinned; in-process only).")] = None,
-    tier: TierOption = None, instance: FleetInstance = None, state: StateOption = None,
-    inventory: InventoryOption = None, timeout: TimeoutOption = 30.0, coordinator: CoordinatorOption = None,
+    tier: TierOption = None, timeout: TimeoutOption = 30.0,
 ) -> None:
     """Pin a prompt's chunks: eviction skips them until unpinned (or the TTL ends).
 
@@ -107,16 +97,12 @@ def pin(
                              f"'{ctx.invoked_subcommand}' (got {', '.join(given)} before it)",
                              hint=f"see 'kvctl pin {ctx.invoked_subcommand} --help'")
         return
-    from kvctl.core.lmcache.tokens import PromptSource
-
-    ttl_s = parse_duration(ttl) if ttl else None
-    prompt = PromptSource(prompt_file, chat, tokens_file)
+    ttl_s, model = parse_duration(ttl) if ttl else None, chosen.model
 
     def pin_one(found):
         return found.pin(found.tokenize(prompt, model), ttl_s, tier_names(tier), model)
 
-    on_instances(ctx.obj, selector(instance, state, inventory, vllm_url=vllm_url, coordinator=coordinator), pin_one,
-                 _tables, timeout)
+    on_instances(ctx.obj, chosen, pin_one, _tables, timeout)
 
 
 # `kvctl pin` pins a prompt and, with a subcommand, `kvctl pin apply FILE` pins a set (kvctl.cli.pinsets).
@@ -131,19 +117,16 @@ def _tables(result, title: str | None = None) -> list:
     return [Table(result.columns, result.rows(), title=title)]
 
 
+@prompt_flags
+@selector_flags("model", "vllm_url", "instance", "state", "inventory", "coordinator")
 def unpin(
-    ctx: typer.Context,
+    ctx: typer.Context, prompt, chosen,
     pin_id: Annotated[str | None, typer.Option("--pin-id", help="The pin to release (in-process).")] = None,
-    prompt_file: PromptFile = None, chat: ChatFile = None, tokens_file: TokensFile = None,
-    model: ModelOption = None, vllm_url: VllmOption = None,
     everything: Annotated[bool, typer.Option("--all", help="Release every kvctl pin (in-process).")] = False,
-    instance: FleetInstance = None, state: StateOption = None, inventory: InventoryOption = None,
-    timeout: TimeoutOption = 30.0, coordinator: CoordinatorOption = None,
+    timeout: TimeoutOption = 30.0,
 ) -> None:
     """Release pins: one by id, every pin holding a prompt's chunks, or all (MP: one pin of a prompt)."""
-    from kvctl.core.lmcache.tokens import PromptSource
-
-    prompt = PromptSource(prompt_file, chat, tokens_file)
+    model = chosen.model
     if sum(bool(x) for x in (pin_id, prompt.given, everything)) != 1:
         raise UsageError("give exactly one of --pin-id, a prompt (--prompt-file/--chat/--tokens-file), --all",
                          hint="kvctl pins lists the pin ids")
@@ -152,17 +135,14 @@ def unpin(
         tokens = found.tokenize(prompt, model) if prompt.given else None
         return found.unpin(pin_id=pin_id, tokens=tokens, everything=everything, model=model)
 
-    on_instances(ctx.obj, selector(instance, state, inventory, vllm_url=vllm_url, coordinator=coordinator),
-                 unpin_one, _unpin_tables, timeout)
+    on_instances(ctx.obj, chosen, unpin_one, _unpin_tables, timeout)
 
 
 def _unpin_tables(result, title: str | None = None) -> list:
     return [Table(result.unpinned_columns, result.unpinned_rows(), title=f"{title}: unpinned" if title else "unpinned")]
 
 
-def pins(ctx: typer.Context, instance: FleetInstance = None, state: StateOption = None,
-         inventory: InventoryOption = None, timeout: TimeoutOption = 30.0, coordinator: CoordinatorOption = None,
-         model: ModelOption = None) -> None:
+@selector_flags("instance", "state", "inventory", "coordinator", "model")
+def pins(ctx: typer.Context, chosen, timeout: TimeoutOption = 30.0) -> None:
     """List the pins: kvctl's on an in-process instance; the coordinator's pinned keys in MP mode."""
-    on_instances(ctx.obj, selector(instance, state, inventory, coordinator=coordinator),
-                 lambda found: found.pins(model), _tables, timeout)
+    on_instances(ctx.obj, chosen, lambda found: found.pins(chosen.model), _tables, timeout)

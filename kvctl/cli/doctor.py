@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import typer
 
-from kvctl.cli.fleet import selector
-from kvctl.cli.options import ConfigOption, FleetInstance, InventoryOption, StateOption, TimeoutOption
+from kvctl.cli.options import TimeoutOption, selector_flags
 from kvctl.output import Table
 
 LEVEL_STYLES = {"error": "bold red", "warning": "yellow", "info": "dim"}
@@ -30,9 +29,8 @@ class FindingsTable(Table):
         return table
 
 
-def doctor(ctx: typer.Context, instance: FleetInstance = None, state: StateOption = None,
-           inventory: InventoryOption = None, config: ConfigOption = None,
-           timeout: TimeoutOption = 10.0) -> None:
+@selector_flags("instance", "state", "inventory", "config")
+def doctor(ctx: typer.Context, chosen, timeout: TimeoutOption = 10.0) -> None:
     """Why would this deployment miss? What splits keys, overrides files, wastes tiers or exposes routes.
 
     Key compatibility across members and against the files (chunk size, hash algorithm, PYTHONHASHSEED,
@@ -45,7 +43,7 @@ def doctor(ctx: typer.Context, instance: FleetInstance = None, state: StateOptio
     """
     from kvctl.core.diagnose.doctor import diagnose
 
-    report = diagnose(selector(instance, state, inventory, config), timeout)
+    report = diagnose(chosen, timeout)
     payload = report.as_dict()
     with_instance = any("instance" in finding for finding in payload["findings"])
     columns = ["level", "check", *(["instance"] if with_instance else []), "what", "hint"]

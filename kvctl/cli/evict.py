@@ -12,32 +12,23 @@ from typing import Annotated
 
 import typer
 
-from kvctl.cli.fleet import emit_fleet, open_one, run_fleet, selector
+from kvctl.cli.fleet import emit_fleet, open_one, run_fleet
 from kvctl.cli.options import (
-    ChatFile,
-    ConfigOption,
-    CoordinatorOption,
-    FleetInstance,
-    HashSeed,
-    InventoryOption,
-    KvDtype,
-    ModelOption,
-    PromptFile,
-    StateOption,
+    SELECTOR_FLAGS,
     TierOption,
     TimeoutOption,
-    TokensFile,
-    VllmOption,
-    WorldSize,
+    prompt_flags,
+    selector_flags,
     tier_names,
 )
 from kvctl.core.errors import ExitCode, UsageError
 from kvctl.output import Table
 
 
+@prompt_flags
+@selector_flags(*SELECTOR_FLAGS)
 def evict(
-    ctx: typer.Context,
-    prompt_file: PromptFile = None, chat: ChatFile = None, tokens_file: TokensFile = None,
+    ctx: typer.Context, prompt, chosen,
     key: Annotated[list[str] | None, typer.Option("--key", help="A chunk key (repeatable).")] = None,
     tier: TierOption = None,
     everything: Annotated[bool, typer.Option("--all", help="Every chunk of the selected tiers (in Redis, in every MP "
@@ -48,10 +39,7 @@ def evict(
     force: Annotated[bool, typer.Option("--force", help="Remove pinned chunks too (MP: locked L1 objects and "
                                         "coordinator-pinned L2 chunks; with no engine: even while one of the "
                                         "configuration runs).")] = False,
-    model: ModelOption = None, vllm_url: VllmOption = None, instance: FleetInstance = None, state: StateOption = None,
-    inventory: InventoryOption = None, timeout: TimeoutOption = 60.0,
-    coordinator: CoordinatorOption = None, config: ConfigOption = None,
-    kv_dtype: KvDtype = None, world_size: WorldSize = 1, hash_seed: HashSeed = None,
+    timeout: TimeoutOption = 60.0,
 ) -> None:
     """Remove chunks from the CPU, disk and Redis tiers: a prompt's, given keys, or a whole tier.
 
@@ -61,14 +49,11 @@ def evict(
     and each evicts its own.
     """
     from kvctl.core.instance.protocol import Selection
-    from kvctl.core.lmcache.tokens import PromptSource
 
-    prompt = PromptSource(prompt_file, chat, tokens_file)
+    model = chosen.model
     if sum((prompt.given, bool(key), everything)) != 1 and not (tier and not prompt.given and not key):
         raise UsageError("say what to evict: a prompt, --key, or --tier T / --all",
                          hint="add --dry-run to see what would go first")
-    chosen = selector(instance, state, inventory, config, vllm_url, coordinator, model=model, kv_dtype=kv_dtype,
-                      world_size=world_size, hash_seed=hash_seed)
 
     def plan(found):
         tokens = tuple(found.tokenize(prompt, model)) if prompt.given else None

@@ -2,47 +2,43 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated
 
 import typer
 
-from kvctl.cli.fleet import emit_fleet, open_one, run_fleet, selector
+from kvctl.cli.fleet import emit_fleet, open_one, run_fleet
 from kvctl.cli.options import (
-    ChatFile,
     ConfigOption,
-    FleetInstance,
     HashSeed,
-    InventoryOption,
     KvDtype,
     ModelOption,
-    PromptFile,
-    StateOption,
     TimeoutOption,
-    TokensFile,
     VllmOption,
     WorldSize,
+    prompt_flags,
+    selector_flags,
 )
 from kvctl.core.errors import ExitCode, UsageError
 from kvctl.output import Table, escape
 
 
+@prompt_flags
 def keys(
-    ctx: typer.Context,
-    prompt_file: PromptFile = None, chat: ChatFile = None, tokens_file: TokensFile = None,
+    ctx: typer.Context, prompt,
     model: ModelOption = None, config: ConfigOption = None, kv_dtype: KvDtype = None,
     world_size: WorldSize = 1, hash_seed: HashSeed = None, vllm_url: VllmOption = None,
 ) -> None:
     """Print the chunk keys LMCache makes for a prompt (per rank in tensor-parallel deployments)."""
     from kvctl.core.lmcache.deployment import target_from_config
     from kvctl.core.lmcache.keys import prompt_chunk_keys
-    from kvctl.core.lmcache.tokens import PromptSource
 
     if config is None:
         raise UsageError("which deployment? kvctl needs its LMCache configuration",
                          hint="pass --config with a 'kvctl config init' directory or an lmcache.yaml")
     target = target_from_config(config, model, kv_dtype, world_size, hash_seed)
     recipe = target.recipe
-    token_ids = PromptSource(prompt_file, chat, tokens_file).token_ids(target.model_dir, vllm_url, recipe.model_name)
+    token_ids = prompt.token_ids(target.model_dir, vllm_url, recipe.model_name)
     chunks = prompt_chunk_keys(token_ids, recipe)
     rows = [(c["index"], f"{c['start']}-{c['end']}", "\n".join(c["keys"])) for c in chunks]
     ctx.obj.emit({"model": recipe.model_name, "mode": target.mode, "chunk_size": recipe.chunk_size,
@@ -50,15 +46,13 @@ def keys(
                  [Table(["chunk", "tokens", "key"], rows, title=f"{len(chunks)} chunks of {len(token_ids)} tokens")])
 
 
+@prompt_flags
+@selector_flags("model", "config", "kv_dtype", "world_size", "hash_seed", "vllm_url", "instance", "state", "inventory")
 def lookup(
-    ctx: typer.Context,
-    prompt_file: PromptFile = None, chat: ChatFile = None, tokens_file: TokensFile = None,
-    model: ModelOption = None, config: ConfigOption = None, kv_dtype: KvDtype = None,
-    world_size: WorldSize = 1, hash_seed: HashSeed = None, vllm_url: VllmOption = None,
-    instance: FleetInstance = None,
+    ctx: typer.Context, prompt, chosen,
     offline: Annotated[bool, typer.Option("--offline", help="Read the disk and Redis tiers directly, no server "
                                           "(needs --config).")] = False,
-    state: StateOption = None, inventory: InventoryOption = None, timeout: TimeoutOption = 60.0,
+    timeout: TimeoutOption = 60.0,
 ) -> None:
     """Which chunks of a prompt are cached, on which tier, how many tokens vLLM would get, and why not.
 
@@ -66,13 +60,9 @@ def lookup(
     """
     from kvctl.core.instance.controller_fleet import routing
     from kvctl.core.lmcache.controller import is_controller
-    from kvctl.core.lmcache.tokens import PromptSource
-
-    if offline and config is None:
+    if offline and chosen.config is None:
         raise UsageError("--offline reads the tiers named in a configuration", hint="pass --config DIR")
-    prompt = PromptSource(prompt_file, chat, tokens_file)
-    chosen = selector(None if offline else instance, state, inventory, config, vllm_url, model=model,
-                      kv_dtype=kv_dtype, world_size=world_size, hash_seed=hash_seed)
+    chosen, model = replace(chosen, instance=None) if offline else chosen, chosen.model
     out = ctx.obj
 
     tokenized: list[list[int]] = []  # the prompt's token ids, as the first instance to answer made them

@@ -8,23 +8,18 @@ from typing import Annotated
 
 import typer
 
-from kvctl.cli.fleet import emit_fleet, open_one, run_fleet, selector
+from kvctl.cli.fleet import emit_fleet, open_one, run_fleet
 from kvctl.cli.options import (
-    ConfigOption,
-    CoordinatorOption,
-    FleetInstance,
-    InventoryOption,
-    ModelOption,
-    StateOption,
     TimeoutOption,
-    VllmOption,
+    selector_flags,
 )
 from kvctl.core.errors import ExitCode
 from kvctl.output import Table
 
 
+@selector_flags("model", "vllm_url", "instance", "state", "inventory", "coordinator", "config")
 def apply(
-    ctx: typer.Context,
+    ctx: typer.Context, chosen,
     file: Annotated[Path, typer.Argument(help="The pin set: YAML with name: and pins: (prompt_file, chat or "
                                          "tokens_file, each with an optional ttl and tiers).", dir_okay=False)],
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be pinned, refreshed and released; "
@@ -32,9 +27,7 @@ def apply(
     no_prewarm: Annotated[bool, typer.Option("--no-prewarm", help="Pin only what is cached; by default an entry "
                                              "with chunks not cached is first prefilled through the instance's "
                                              "vLLM, where known.")] = False,
-    model: ModelOption = None, vllm_url: VllmOption = None,
-    instance: FleetInstance = None, state: StateOption = None, inventory: InventoryOption = None,
-    timeout: TimeoutOption = 30.0, coordinator: CoordinatorOption = None, config: ConfigOption = None,
+    timeout: TimeoutOption = 30.0,
 ) -> None:
     """Apply a pin set: pin its prompts that are not pinned, pin those with a TTL again (a fresh TTL),
     release the pins this set made that the file no longer lists. Plain pins and other sets' pins stay.
@@ -48,7 +41,7 @@ def apply(
     from kvctl.core.pins import pinsets
 
     pin_set = pinsets.load(file)  # a bad file is one error, before any instance is asked
-    chosen = selector(instance, state, inventory, config, vllm_url, coordinator)
+    model = chosen.model
 
     def apply_one(found):
         application = pinsets.plan(pin_set, found, model)

@@ -2,34 +2,33 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated
 
 import typer
 
-from kvctl.cli.fleet import open_one, selector
-from kvctl.cli.options import InstanceOption, PrefetchTier, StateOption
+from kvctl.cli.fleet import open_one
+from kvctl.cli.options import InstanceOption, PrefetchTier, selector_flags
 from kvctl.core.errors import ExitCode
 from kvctl.output import Table
 
 
+@selector_flags("instance", "vllm_url", "state", instance=InstanceOption)
 def prewarm(
-    ctx: typer.Context,
+    ctx: typer.Context, chosen,
     prompts: Annotated[list[str], typer.Argument(help="Prompt files, directories of them, or JSONL files "
                                                  "({\"prompt\": …} or {\"messages\": […]} per line).")],
     chat: Annotated[bool, typer.Option("--chat", help="Files are JSON lists of chat messages.")] = False,
     concurrency: Annotated[int, typer.Option(help="Requests in flight at once.")] = 4,
     from_tier: Annotated[PrefetchTier | None, typer.Option("--from-tier", help="Instead of prefilling, copy chunks "
                                                            "already stored on this tier into the CPU tier.")] = None,
-    instance: InstanceOption = None,
-    vllm_url: Annotated[str | None, typer.Option("--vllm-url", help="vLLM's OpenAI server URL.")] = None,
-    state: StateOption = None,
 ) -> None:
     """Send prompts to vLLM as prefill-only requests (max_tokens 1), then report what is cached, per prompt."""
     from kvctl.core.cache.prewarm import load_prompts
     from kvctl.core.cache.prewarm import prewarm as run_prewarm
 
     items = load_prompts(prompts, chat)
-    found = open_one(selector(instance, state, vllm_url=vllm_url, kv_dtype="bfloat16"))
+    found = open_one(replace(chosen, kv_dtype="bfloat16"))
     out = ctx.obj
     with out.progress(len(items), "prefilling" if from_tier is None else "prefetching") as advance:
         result = run_prewarm(found, items, concurrency, from_tier is not None,

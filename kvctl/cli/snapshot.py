@@ -9,15 +9,10 @@ import typer
 
 from kvctl.cli.fleet import open_one, selector
 from kvctl.cli.options import (
-    ConfigOption,
-    HashSeed,
     InstanceOption,
-    KvDtype,
     ModelOption,
-    StateOption,
     Tier,
-    VllmOption,
-    WorldSize,
+    selector_flags,
 )
 from kvctl.core.errors import ExitCode, UsageError
 from kvctl.output import Table
@@ -37,8 +32,10 @@ def _mib(count: int) -> str:
 
 
 @app.command()
+@selector_flags("model", "vllm_url", "instance", "state", "config", "kv_dtype", "world_size", "hash_seed",
+                instance=InstanceOption)
 def save(
-    ctx: typer.Context,
+    ctx: typer.Context, chosen,
     out: Annotated[Path, typer.Option("--out", "-o", help="The snapshot file to write (e.g. warm.kvsnap).",
                                       dir_okay=False)],
     prompt_file: PromptFiles = None, chat: ChatFiles = None, tokens_file: TokensFiles = None,
@@ -47,9 +44,6 @@ def save(
     everything: Annotated[bool, typer.Option("--all", help="Every chunk of --tier of the served model (or --model), "
                                              "at its world size and KV dtype.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Replace the output file if it exists.")] = False,
-    model: ModelOption = None, vllm_url: VllmOption = None, instance: InstanceOption = None,
-    state: StateOption = None, config: ConfigOption = None,
-    kv_dtype: KvDtype = None, world_size: WorldSize = 1, hash_seed: HashSeed = None,
 ) -> None:
     """Save prompts' cached chunks (or a whole tier's) with a manifest into one file.
 
@@ -63,8 +57,7 @@ def save(
     if everything != (tier is not None) or not (sources or everything):
         raise UsageError("say what to save: --prompt-file/--chat/--tokens-file, --pin-set, or --tier T --all",
                          hint="e.g. kvctl snapshot save --prompt-file system.txt -o warm.kvsnap")
-    found = open_one(selector(instance, state, None, config, vllm_url, model=model, kv_dtype=kv_dtype,
-                              world_size=world_size, hash_seed=hash_seed))
+    found, model = open_one(chosen), chosen.model
     prompts = snapshot.select_prompts(found, sources, model)
     keys = snapshot.tier_keys(found, tier.value, model) if everything else []
     report = snapshot.save(found, out, prompts, keys, model, overwrite=force)
@@ -79,14 +72,13 @@ def save(
 
 
 @app.command()
+@selector_flags("model", "vllm_url", "instance", "state", "config", "kv_dtype", "world_size", "hash_seed",
+                instance=InstanceOption)
 def load(
-    ctx: typer.Context,
+    ctx: typer.Context, chosen,
     file: SnapshotFile,
     tier: Annotated[Tier | None, typer.Option("--tier", help="Where the chunks go (default: a running engine's CPU "
                                               "tier; a configuration's disk tier).")] = None,
-    model: ModelOption = None, vllm_url: VllmOption = None, instance: InstanceOption = None,
-    state: StateOption = None, config: ConfigOption = None,
-    kv_dtype: KvDtype = None, world_size: WorldSize = 1, hash_seed: HashSeed = None,
 ) -> None:
     """Load a snapshot: refuse a target that would make other keys, verify every checksum, then write.
 
@@ -100,8 +92,7 @@ def load(
 
     if tier is Tier.all:
         raise UsageError("--tier all does not say where to write", hint="choose one of cpu, disk, redis")
-    found = open_one(selector(instance, state, None, config, vllm_url, model=model, kv_dtype=kv_dtype,
-                              world_size=world_size, hash_seed=hash_seed))
+    found, model = open_one(chosen), chosen.model
     report = snapshot.load(file, found, tier.value if tier else None, model)
     rows = [(p.source, p.tokens, f"{p.cached}/{p.chunks}", p.hit_tokens) for p in report.prompts]
     written = ", ".join(f"{count} written to {name}" for name, count in report.written.items())
