@@ -8,22 +8,9 @@ import time
 import pytest
 
 from tests.conftest import RedisStarter
-from tests.helpers import free_port, http_json, run_kvctl, start_standalone_engine, stop_process, wait_until
+from tests.helpers import free_port, http_json, init_engine, run_kvctl, tier_args, wait_until
 
 CHUNK = 256
-
-
-def start_engine(root, name, redis_url):
-    port_start = free_port()
-    config = root / name / "cfg"
-    init = run_kvctl("config", "init", "--out", config, "--tier", "cpu:0.05", "--tier", f"disk:{root / name}/disk:1",
-                     "--tier", redis_url, "--internal-api-port-start", port_start)
-    assert init.code == 0, init.stderr
-    log = root / name / "engine.log"
-    proc = start_standalone_engine(config, log)
-    url = f"http://127.0.0.1:{port_start + 1}"
-    wait_until(lambda: http_json("GET", f"{url}/lmc_version"), 120, f"engine {name}", proc, log)
-    return proc, url
 
 
 @pytest.fixture(scope="module")
@@ -31,13 +18,13 @@ def fleet(tmp_path_factory):
     root = tmp_path_factory.mktemp("fleet")
     redis = RedisStarter(root)
     server = redis()
-    procs = []
+    engines = []
     hung = socket.socket()  # accepts connections and never answers: a member that times out
     try:
         urls = {}
         for name in ("a", "b"):
-            proc, urls[name] = start_engine(root, name, server.url)
-            procs.append(proc)
+            engines.append(init_engine(root / name, *tier_args("cpu:0.05", f"disk:{root / name}/disk:1", server.url)))
+            urls[name] = engines[-1].start().url
         hung.bind(("127.0.0.1", free_port(1)))
         hung.listen(8)
         inventory = root / "kvctl.yaml"
@@ -57,8 +44,8 @@ def fleet(tmp_path_factory):
                "root": root, "hung": hung_url}
     finally:
         hung.close()
-        for proc in procs:
-            stop_process(proc, grace=2)  # LMCache 0.5.6 never exits on SIGTERM with a redis:// tier
+        for engine in engines:
+            engine.stop()
         redis.stop_all()
 
 

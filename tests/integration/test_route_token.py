@@ -15,12 +15,9 @@ from kvctl.core.lmcache.config import parse_env_file
 from tests.helpers import (
     Answers200,
     free_port,
-    http_json,
+    init_engine,
     proxy_answering_200,
     run_kvctl,
-    start_standalone_engine,
-    stop_process,
-    wait_until,
 )
 
 
@@ -35,25 +32,17 @@ def test_a_bind_beyond_loopback_gets_a_token_in_env_sh(tmp_path):
 
 @pytest.mark.slow
 def test_routes_answer_only_the_bearer_of_the_token(tmp_path):
-    port_start = free_port()
-    assert run_kvctl("config", "init", "--out", tmp_path / "cfg", "--tier", "cpu:0.05",
-                     "--internal-api-port-start", port_start).code == 0
     token = "s3cret-token-for-kvctl-routes"
-    log = tmp_path / "engine.log"
-    proc = start_standalone_engine(tmp_path / "cfg", log, env={"KVCTL_ROUTES_TOKEN": token})
-    url = f"http://127.0.0.1:{port_start + 1}"
-    try:
-        wait_until(lambda: http_json("GET", f"{url}/lmc_version"), 120, "standalone engine", proc, log)
+    with init_engine(tmp_path, "--tier", "cpu:0.05", env={"KVCTL_ROUTES_TOKEN": token}) as engine:
+        url = engine.url
         assert httpx.get(f"{url}/kvctl/v1/info").status_code == 401
         assert httpx.get(f"{url}/kvctl/v1/info", headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert httpx.get(f"{url}/kvctl/v1/info", headers={"Authorization": f"Bearer {token}"}).status_code == 200
-        refused = run_kvctl("ls", "--instance", url, "--format", "json", env={"KVCTL_ROUTES_TOKEN": ""})
+        refused = engine.kvctl("ls", env={"KVCTL_ROUTES_TOKEN": ""})
         assert refused.code == 4 and "KVCTL_ROUTES_TOKEN" in refused.stderr.split("hint:")[1]
-        listed = run_kvctl("ls", "--instance", url, "--format", "json", env={"KVCTL_ROUTES_TOKEN": token})
+        listed = engine.kvctl("ls", env={"KVCTL_ROUTES_TOKEN": token})
         assert listed.code == 0, listed.stderr
         assert [tier["tier"] for tier in json.loads(listed.stdout)["tiers"]] == ["cpu"]
-    finally:
-        stop_process(proc)
 
 
 def test_a_proxy_in_the_environment_never_sees_kvctl_requests(monkeypatch):
@@ -76,22 +65,18 @@ def test_each_fleet_member_gets_its_own_token_and_no_other_server_any(tmp_path):
     engines, urls = [], {}
     try:
         for name, token in (("a", "token-of-a-0123456789"), ("b", "token-of-b-0123456789")):
-            port_start = free_port()
-            assert run_kvctl("config", "init", "--out", tmp_path / name, "--tier", "cpu:0.05",
-                             "--internal-api-port-start", port_start).code == 0
-            (tmp_path / name / "env.sh").open("a").write(f"export KVCTL_ROUTES_TOKEN={token}\n")
-            engines.append(start_standalone_engine(tmp_path / name, tmp_path / f"{name}.log",
-                                                   env={"KVCTL_ROUTES_TOKEN": token}))
-            urls[name] = f"http://127.0.0.1:{port_start + 1}"
+            engine = init_engine(tmp_path / name, "--tier", "cpu:0.05", env={"KVCTL_ROUTES_TOKEN": token})
+            (engine.config / "env.sh").open("a").write(f"export KVCTL_ROUTES_TOKEN={token}\n")
+            engines.append(engine.launch())
+            urls[name] = engine.url
         (tmp_path / "a.token").write_text("token-of-a-0123456789\n")
         inventory = tmp_path / "kvctl.yaml"
         inventory.write_text(json.dumps({"instances": {
             "a": {"internal_api": urls["a"], "token_file": "a.token", "vllm": stranger_url},
-            "b": {"internal_api": urls["b"], "env_file": "b/env.sh"},
+            "b": {"internal_api": urls["b"], "env_file": "b/cfg/env.sh"},
             "stranger": {"internal_api": stranger_url}}}))
-        for (name, url), proc in zip(urls.items(), engines):
-            wait_until(lambda url=url: http_json("GET", f"{url}/lmc_version"), 120, name, proc,
-                       tmp_path / f"{name}.log")
+        for engine in engines:
+            engine.ready()
         env = {"KVCTL_ROUTES_TOKEN": "token-of-kvctls-environment"}
         listed = run_kvctl("ls", "--instance", "all", "--inventory", inventory, "--format", "json", env=env)
         reports = {report["instance"]: report for report in json.loads(listed.stdout)["instances"]}
@@ -106,5 +91,5 @@ def test_each_fleet_member_gets_its_own_token_and_no_other_server_any(tmp_path):
         assert alone.code == 4 and "KVCTL_ROUTES_TOKEN" in alone.stderr
     finally:
         stranger.shutdown()
-        for proc in engines:
-            stop_process(proc, grace=5)
+        for engine in engines:
+            engine.stop()

@@ -26,10 +26,10 @@ from tests.helpers import (
     KVCTL,
     free_port,
     http_json,
+    init_engine,
     run_kvctl,
     standalone_argv,
     start_process,
-    start_standalone_engine,
     stop_process,
     wait_until,
 )
@@ -83,57 +83,34 @@ def engine_config(root, port_start: int, *extra) -> None:
 
 def test_the_token_never_shows_in_env_on_loopback(tmp_path):
     """Loopback too: GET /env answers without any token there, so the token must not be in it."""
-    port_start = free_port()
-    assert run_kvctl("config", "init", "--out", tmp_path / "cfg", "--tier", "cpu:0.05",
-                     "--internal-api-port-start", port_start).code == 0
-    log = tmp_path / "engine.log"
-    proc = start_standalone_engine(tmp_path / "cfg", log, env={"KVCTL_ROUTES_TOKEN": TOKEN})
-    url = f"http://127.0.0.1:{port_start + 1}"
-    try:
-        wait_until(lambda: http_json("GET", f"{url}/lmc_version"), 120, "standalone engine", proc, log)
-        env = http_json("GET", f"{url}/env")
+    with init_engine(tmp_path, "--tier", "cpu:0.05", env={"KVCTL_ROUTES_TOKEN": TOKEN}) as engine:
+        env = http_json("GET", f"{engine.url}/env")
         assert "KVCTL_ROUTES_TOKEN" not in env and TOKEN not in json.dumps(env)
         assert env["PYTHONHASHSEED"] == "0"  # /env itself still answers on loopback
-        listed = run_kvctl("ls", "--instance", url, "--format", "json", env={"KVCTL_ROUTES_TOKEN": TOKEN})
+        listed = engine.kvctl("ls", env={"KVCTL_ROUTES_TOKEN": TOKEN})
         assert listed.code == 0, listed.stderr  # the routes still hold the token they took
-    finally:
-        stop_process(proc, grace=5)
 
 
 def test_a_token_file_guards_the_routes_and_only_its_path_is_in_env(tmp_path):
-    port_start = free_port()
-    assert run_kvctl("config", "init", "--out", tmp_path / "cfg", "--tier", "cpu:0.05",
-                     "--internal-api-port-start", port_start).code == 0
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
     token_file.chmod(0o600)
-    log = tmp_path / "engine.log"
-    proc = start_standalone_engine(tmp_path / "cfg", log, env={"KVCTL_ROUTES_TOKEN_FILE": str(token_file)})
-    url = f"http://127.0.0.1:{port_start + 1}"
-    try:
-        wait_until(lambda: http_json("GET", f"{url}/lmc_version"), 120, "standalone engine", proc, log)
-        env = http_json("GET", f"{url}/env")
+    with init_engine(tmp_path, "--tier", "cpu:0.05", env={"KVCTL_ROUTES_TOKEN_FILE": str(token_file)}) as engine:
+        env = http_json("GET", f"{engine.url}/env")
         assert env["KVCTL_ROUTES_TOKEN_FILE"] == str(token_file) and TOKEN not in json.dumps(env)
-        refused = run_kvctl("ls", "--instance", url, "--format", "json", env={"KVCTL_ROUTES_TOKEN": ""})
+        refused = engine.kvctl("ls", env={"KVCTL_ROUTES_TOKEN": ""})
         assert refused.code == 4
-        listed = run_kvctl("ls", "--instance", url, "--format", "json",
-                           env={"KVCTL_ROUTES_TOKEN": "", "KVCTL_ROUTES_TOKEN_FILE": str(token_file)})
+        listed = engine.kvctl("ls", env={"KVCTL_ROUTES_TOKEN": "", "KVCTL_ROUTES_TOKEN_FILE": str(token_file)})
         assert listed.code == 0, listed.stderr
-    finally:
-        stop_process(proc, grace=5)
 
 
 def test_an_unreadable_token_file_stops_the_engine_instead_of_opening_the_routes(tmp_path):
-    port_start = free_port()
-    assert run_kvctl("config", "init", "--out", tmp_path / "cfg", "--tier", "cpu:0.05",
-                     "--internal-api-port-start", port_start).code == 0
-    log = tmp_path / "engine.log"
-    proc = start_standalone_engine(tmp_path / "cfg", log, env={"KVCTL_ROUTES_TOKEN_FILE": str(tmp_path / "none")})
+    engine = init_engine(tmp_path, "--tier", "cpu:0.05", env={"KVCTL_ROUTES_TOKEN_FILE": str(tmp_path / "none")})
     try:
-        assert proc.wait(120) != 0
-        assert "cannot read the routes token file" in log.read_text()
+        assert engine.launch().proc.wait(120) != 0
+        assert "cannot read the routes token file" in engine.log.read_text()
     finally:
-        stop_process(proc, grace=2)
+        engine.stop()
 
 
 def test_beyond_loopback_lmcache_routes_want_the_token_and_kvctl_sends_each_its_own(tmp_path):
