@@ -6,7 +6,7 @@ import json
 import pytest
 
 from kvctl.core.lmcache.keys import KeyRecipe, disk_file_name, inprocess_keys
-from tests.helpers import free_port, http_json, run_kvctl, start_standalone_engine, stop_process, wait_until
+from tests.helpers import http_json, init_engine, run_kvctl, tier_args, wait_until
 
 CHUNK = 256
 CHUNK_BYTES = 2 * 2 * CHUNK * 64 * 2
@@ -20,20 +20,18 @@ def keys_of(token_ids, rank):
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory, module_redis):
     root = tmp_path_factory.mktemp("ranks")
-    port_start = free_port(span=3)
-    assert run_kvctl("config", "init", "--out", root / "cfg", "--tier", "cpu:0.05", "--tier", f"disk:{root}/disk:1",
-                     "--tier", module_redis.url, "--internal-api-port-start", port_start).code == 0
-    procs, urls = [], [f"http://127.0.0.1:{port_start + 1 + rank}" for rank in (0, 1)]
+    first = init_engine(root, *tier_args("cpu:0.05", f"disk:{root}/disk:1", module_redis.url), port_span=3,
+                        world_size=2)
+    engines = [first, first.rank(1)]
     try:
-        for rank in (0, 1):
-            procs.append(start_standalone_engine(root / "cfg", root / f"rank{rank}.log", world_size=2, worker_id=rank))
-        for rank, url in enumerate(urls):
-            wait_until(lambda url=url: http_json("GET", f"{url}/lmc_version"), 120, f"rank {rank}", procs[rank],
-                       root / f"rank{rank}.log")
-        yield {"urls": urls, "root": root, "redis": module_redis.client()}
+        for engine in engines:
+            engine.launch()
+        for engine in engines:
+            engine.ready()
+        yield {"urls": [engine.url for engine in engines], "root": root, "redis": module_redis.client()}
     finally:
-        for proc in procs:
-            stop_process(proc, grace=2)  # LMCache 0.5.6 never exits on SIGTERM with a redis:// tier
+        for engine in engines:
+            engine.stop()
 
 
 def store_everywhere(ranks, start, chunks):

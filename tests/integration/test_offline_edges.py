@@ -15,14 +15,12 @@ import pytest
 from kvctl.core.lmcache.keys import KeyRecipe, disk_file_name, inprocess_keys
 from tests.helpers import (
     KVCTL,
-    free_port,
     http_json,
+    init_engine,
     run_cli,
-    run_kvctl,
-    standalone_argv,
     standalone_engine,
-    start_process,
     stop_process,
+    tier_args,
     wait_until,
 )
 from tests.integration.test_snapshot import CHUNK, CHUNK_BYTES, OFFLINE, answer, configuration
@@ -180,18 +178,9 @@ def test_a_kvctl_serve_sharing_the_disk_directory_or_redis_for_the_model_refuses
 @pytest.mark.slow
 def test_a_stock_engine_still_plans_the_eviction_of_its_own_disk_tier(tmp_path):
     """A stock engine (no kvctl routes) is evicted through its stores directly: the engine that runs is itself."""
-    port_start = free_port()
-    init = run_kvctl("config", "init", "--out", tmp_path / "cfg", "--tier", "cpu:0.05", "--tier",
-                     f"disk:{tmp_path}/disk:1", "--internal-api-port-start", port_start)
-    assert init.code == 0, init.stderr
-    proc = start_process(standalone_argv(tmp_path / "cfg", plugins=False), tmp_path / "engine.log")
-    url = f"http://127.0.0.1:{port_start + 1}"
-    try:
-        wait_until(lambda: http_json("GET", f"{url}/lmc_version"), 120, "stock engine", proc, tmp_path / "engine.log")
-        http_json("POST", f"{url}/cache/store?tokens_mock=0,{2 * CHUNK}")
+    with init_engine(tmp_path, *tier_args("cpu:0.05", f"disk:{tmp_path}/disk:1"), plugins=False) as engine:
+        http_json("POST", f"{engine.url}/cache/store?tokens_mock=0,{2 * CHUNK}")
         wait_until(lambda: len(chunk_files(tmp_path / "disk")) == 2, 30, "chunks on disk")
-        planned = run_cli("evict", "--instance", url, "--tier", "disk", "--all", "--model", "tiny", "--dry-run",
-                          "--format", "json")
+        planned = run_cli("evict", "--instance", engine.url, "--tier", "disk", "--all", "--model", "tiny",
+                          "--dry-run", "--format", "json")
         assert planned.code == 0 and json.loads(planned.stdout)["removed"] == {"disk": 2}, planned.stderr
-    finally:
-        stop_process(proc, grace=5)

@@ -22,13 +22,15 @@ from kvctl.core.serve.launch import MP_ROUTES_ARGV
 from tests.conftest import RedisStarter
 from tests.helpers import (
     STACK_ENV,
+    Engine,
     free_port,
     http_json,
+    init_engine,
     run_cli,
     run_kvctl,
     start_process,
-    start_standalone_engine,
     stop_process,
+    tier_args,
     wait_until,
 )
 from tests.integration.test_mp_l1_lookup import MODEL as MP_MODEL
@@ -81,19 +83,14 @@ class Stores:
 
 
 class InProcess(Stores):
-    def __init__(self, root: Path, redis, port_start: int) -> None:
+    def __init__(self, root: Path, redis, url: str) -> None:
         super().__init__(root / "disk", redis)
-        self.root, self.config, self.url = root, root / "cfg", f"http://127.0.0.1:{port_start + 1}"
+        self.root, self.config, self.url = root, root / "cfg", url
 
     @contextlib.contextmanager
     def engine(self, model: str):
-        log = self.root / f"engine-{model}.log"
-        proc = start_standalone_engine(self.config, log, model=model)
-        try:
-            wait_until(lambda: http_json("GET", f"{self.url}/lmc_version"), 120, "standalone engine", proc, log)
+        with Engine(self.root, model=model):
             yield
-        finally:
-            stop_process(proc, grace=2)  # LMCache 0.5.6 never exits on SIGTERM with a redis:// tier
 
     def store(self, model: str, prompts: list[tuple[int, int]]) -> None:
         """Store through the running engine, and wait until every chunk is whole on disk and in Redis."""
@@ -120,11 +117,8 @@ def inprocess(tmp_path_factory, module_redis):
     """Chunks of models a and b, written by two runs of a real engine (CPU, disk and Redis tiers), then
     the decoys; the engine stopped."""
     root = tmp_path_factory.mktemp("offline-evict")
-    port_start = free_port()
-    init = run_kvctl("config", "init", "--out", root / "cfg", "--tier", "cpu:0.1", "--tier", f"disk:{root}/disk:1",
-                     "--tier", module_redis.url, "--internal-api-port-start", port_start, "--model", "a")
-    assert init.code == 0, init.stderr
-    deployment = InProcess(root, module_redis.client(), port_start)
+    configured = init_engine(root, *tier_args("cpu:0.1", f"disk:{root}/disk:1", module_redis.url), "--model", "a")
+    deployment = InProcess(root, module_redis.client(), configured.url)
     for model, stored in PROMPTS.items():
         with deployment.engine(model):
             deployment.store(model, stored)

@@ -23,14 +23,7 @@ from kvctl.clients.redis_tier import RedisTier, split_eviction_risk
 from kvctl.core.errors import UnreachableError
 from kvctl.core.lmcache.keys import KeyRecipe, inprocess_keys
 from kvctl.core.lmcache.tiers import parse_redis_url
-from tests.helpers import (
-    free_port,
-    http_json,
-    run_kvctl,
-    start_standalone_engine,
-    stop_process,
-    wait_until,
-)
+from tests.helpers import http_json, init_engine, run_kvctl, tier_args, wait_until
 from tests.redis_topologies import (
     ClusterDeployment,
     SentinelDeployment,
@@ -82,24 +75,6 @@ class Stack:
                 if name.endswith("metadata") and name not in FOREIGN and name.startswith("tiny@")}
 
 
-def start_engine(root: Path, name: str, tier: str, env: dict | None = None):
-    """`kvctl config init` with `tier` as the Redis tier, and a standalone LMCache engine on it; the
-    process, worker 0's URL, and the configuration directory."""
-    port_start = free_port()
-    init = run_kvctl("config", "init", "--out", root / name, "--tier", "cpu:0.1", "--tier", tier,
-                     "--internal-api-port-start", port_start, "--model", "tiny")
-    assert init.code == 0, init.stderr
-    log = root / f"{name}.log"
-    proc = start_standalone_engine(root / name, log, env=env)
-    url = f"http://127.0.0.1:{port_start + 1}"
-    try:
-        wait_until(lambda: http_json("GET", f"{url}/lmc_version"), 120, f"standalone engine {name}", proc, log)
-    except BaseException:
-        stop_process(proc, grace=2)
-        raise
-    return proc, url, root / name
-
-
 @pytest.fixture(scope="module", params=["cluster", "sentinel"])
 def stack(request, tmp_path_factory):
     """One topology at a time (the other's processes are stopped before it starts): the Redis deployment,
@@ -111,20 +86,20 @@ def stack(request, tmp_path_factory):
     RedisConnector to the master the sentinel names, and kvctl works through the sentinel URL."""
     root = tmp_path_factory.mktemp(request.param)
     deployment = start_cluster(root / "redis") if request.param == "cluster" else start_sentinel(root / "redis")
-    procs = []
+    engines = []
     try:
         # LMCache's sentinel connector takes the master's name from the engine's environment only
         env = {"REDIS_SERVICE_NAME": deployment.service_name} if request.param == "sentinel" else {}
-        proc, url, config = start_engine(root, "cfg", deployment.url, env)
-        procs.append(proc)
-        writer = url
+        engines.append(init_engine(root / "engine", *tier_args("cpu:0.1", deployment.url), "--model", "tiny", env=env))
+        writer = engines[0].start().url
         if request.param == "sentinel":
-            proc, writer, _ = start_engine(root, "writer", f"redis://127.0.0.1:{deployment.master_port}")
-            procs.append(proc)
-        yield Stack(request.param, deployment, root, url, writer, config)
+            master = f"redis://127.0.0.1:{deployment.master_port}"
+            engines.append(init_engine(root / "writer", *tier_args("cpu:0.1", master), "--model", "tiny"))
+            writer = engines[1].start().url
+        yield Stack(request.param, deployment, root, engines[0].url, writer, engines[0].config)
     finally:
-        for proc in procs:
-            stop_process(proc, grace=2)  # LMCache 0.5.6 never exits on SIGTERM with a redis remote
+        for engine in engines:
+            engine.stop()
         deployment.stop()
 
 
@@ -292,7 +267,7 @@ def test_lmcache_056_sentinel_connector_writes_nothing(stack):
     with pytest.raises(AssertionError):  # give it every chance to show up
         wait_until(lambda: any(key + "metadata" in stack.names() for key in keys), 5, "LMCache's sentinel write")
     assert stack.names() == before
-    assert "was never awaited" in (stack.root / "cfg.log").read_text()
+    assert "was never awaited" in (stack.root / "engine" / "engine.log").read_text()
     report = lookup_offline(stack, tokens)
     assert report["hit_tokens"]["redis"] == 0 and "redis" in report["tiers_checked"]
 

@@ -18,10 +18,12 @@ from kvctl.core.config.init import mp_server_argv
 from tests.helpers import (
     free_port,
     http_json,
+    init_engine,
     run_kvctl,
     standalone_argv,
     start_process,
     stop_process,
+    tier_args,
     wait_until,
 )
 
@@ -36,22 +38,13 @@ MP_ROUTES_FIX = "kvctl_plugins.mp_routes"
 def stock_engine(tmp_path_factory, module_redis):
     """A stock standalone engine with CPU, disk and Redis tiers, holding 4 chunks on each."""
     root = tmp_path_factory.mktemp("stock-engine")
-    port_start = free_port()
-    init = run_kvctl("config", "init", "--out", root / "cfg", "--tier", "cpu:0.05", "--tier", f"disk:{root}/disk:1",
-                     "--tier", module_redis.url, "--internal-api-port-start", port_start)
-    assert init.code == 0, init.stderr
-    log = root / "engine.log"
-    proc = start_process(standalone_argv(root / "cfg", plugins=False), log)
-    url = f"http://127.0.0.1:{port_start + 1}"
-    try:
-        wait_until(lambda: http_json("GET", f"{url}/lmc_version"), 120, "stock engine", proc, log)
-        assert http_json("POST", f"{url}/cache/store?tokens_mock=0,{STORED}")["num_tokens"] == STORED
+    tiers = tier_args("cpu:0.05", f"disk:{root}/disk:1", module_redis.url)
+    with init_engine(root, *tiers, plugins=False) as engine:
+        assert http_json("POST", f"{engine.url}/cache/store?tokens_mock=0,{STORED}")["num_tokens"] == STORED
         tokens = root / "tokens.json"
         tokens.write_text(json.dumps(list(range(STORED))))
         wait_until(lambda: len(list((root / "disk").glob("*.pt"))) == 4, 30, "the disk tier's writes")
-        yield {"url": url, "root": root, "tokens": tokens, "redis": module_redis}
-    finally:
-        stop_process(proc, grace=5)
+        yield {"url": engine.url, "root": root, "tokens": tokens, "redis": module_redis}
 
 
 def kvctl(target, *args, **options):
