@@ -12,14 +12,13 @@ import pytest
 
 from kvctl.core.lmcache.keys import KeyRecipe, disk_file_name, inprocess_keys
 from tests.helpers import (
+    Engine,
     edit_yaml,
-    free_port,
     http_json,
+    init_engine,
     run_cli,
-    run_kvctl,
     standalone_engine,
-    start_standalone_engine,
-    stop_process,
+    tier_args,
     wait_until,
 )
 
@@ -54,14 +53,9 @@ def node_a(tmp_path_factory, module_redis):
 
 
 def configuration(root: Path, *tiers: str, **yaml_changes) -> tuple[Path, int]:
-    """A fresh `kvctl config init` directory (no engine) with these tiers; its port_start."""
-    port_start = free_port()
-    init = run_kvctl("config", "init", "--out", root / "cfg", *(arg for tier in tiers for arg in ("--tier", tier)),
-                     "--internal-api-port-start", port_start, "--model", "tiny")
-    assert init.code == 0, init.stderr
-    if yaml_changes:
-        edit_yaml(root / "cfg" / "lmcache.yaml", **yaml_changes)
-    return root / "cfg", port_start
+    """A fresh `kvctl config init` directory (no engine: Engine(root) runs one) with these tiers; its port_start."""
+    engine = init_engine(root, *tier_args(*tiers), "--model", "tiny", **yaml_changes)
+    return engine.config, engine.port_start
 
 
 def answer(*args, code: int = 0):
@@ -83,23 +77,17 @@ def test_saved_through_the_engine_and_loaded_into_a_configuration_an_engine_then
     assert listed["keys"] == {"model": "tiny", "kv_dtype": "half", "world_size": 1, "chunk_size": CHUNK,
                               "hash_algorithm": "sha256_cbor", "hash_seed": "0"}
 
-    config, port_start = configuration(tmp_path / "b", "cpu:0.1", f"disk:{tmp_path}/b/disk:1")
+    config, _ = configuration(tmp_path / "b", "cpu:0.1", f"disk:{tmp_path}/b/disk:1")
     loaded = answer("snapshot", "load", snap, "--config", config, *OFFLINE)
     assert loaded["written"] == {"disk": 4} and loaded["prompts"][0]["cached"] == 4
     assert loaded["prompts"][0]["hit_tokens"] == 4 * CHUNK
     a_files = disk_files(node_a["root"] / "disk")
     assert disk_files(tmp_path / "b" / "disk") == {disk_file_name(key): a_files[disk_file_name(key)] for key in KEYS}
 
-    log = tmp_path / "b" / "engine.log"
-    proc = start_standalone_engine(config, log)  # LMCache indexes the files at start (kvctl's disk index)
-    url = f"http://127.0.0.1:{port_start + 1}"
-    try:
-        wait_until(lambda: http_json("GET", f"{url}/lmc_version"), 120, "engine b", proc, log)
-        found = answer("lookup", "--instance", url, "--tokens-file", node_a["tokens"])
+    with Engine(tmp_path / "b") as engine_b:  # LMCache indexes the files at start (kvctl's disk index)
+        found = answer("lookup", "--instance", engine_b.url, "--tokens-file", node_a["tokens"])
         assert found["hit_tokens"]["total"] == 4 * CHUNK
         assert all(chunk["tiers"] == ["disk"] for chunk in found["chunks"])
-    finally:
-        stop_process(proc, grace=5)
 
 
 @pytest.mark.slow
