@@ -7,7 +7,6 @@ from dataclasses import FrozenInstanceError, replace
 
 import pytest
 
-from kvctl.core.errors import UsageError
 from kvctl.core.instance.protocol import EvictionPlan, Selection, Unsupported
 
 pytestmark = pytest.mark.slow
@@ -133,13 +132,10 @@ def test_key_facts_name_the_deployments_chunk_size_hash_and_model(kind):
     assert facts.model == kind.model
 
 
-def test_the_instance_takes_its_own_model_where_none_is_given(kind, request):
+def test_the_instance_takes_its_own_model_where_none_is_given(kind):
     """No model given means the instance's: the fake's, the configuration's, the engine's, and for an MP
-    server the Selector's (--model) when no vLLM is registered with it, as its lookup and key_facts take it."""
-    if kind.name == "mp":
-        request.node.add_marker(pytest.mark.xfail(strict=True, raises=UsageError, reason=(
-            "MPInstance.model_name and plan_eviction (_eviction_target) ignore selector.model: 'which model? the "
-            "server has no model registered' while lookup, prompt_keys and key_facts take it")))
+    server the Selector's (--model) when no vLLM is registered with it, as its lookup and key_facts take it
+    (model_name and plan_eviction ignored it: 'which model? the server has no model registered')."""
     [tokens] = kind.store(1)
     assert kind.instance.model_name() == kind.model
     assert planned(kind.instance.plan_eviction(Selection(tokens=tuple(tokens)))) == dict.fromkeys(

@@ -173,7 +173,7 @@ class MPInstance(NoManagement):
         from kvctl.clients.mp_server import MPServerClient
 
         with MPServerClient(self.address.mp_http) as server:
-            return registered_model(server, model or self.address.model)[0]
+            return registered_model(server, model or self.selector.model or self.address.model)[0]
 
     def _world_size(self, model: str) -> int:
         from kvctl.clients.mp_server import MPServerClient
@@ -242,7 +242,8 @@ class MPInstance(NoManagement):
     def _eviction_target(self, model: str | None) -> MPTarget:
         from kvctl.core.cache.listing import config_stores
 
-        return MPTarget(self.address.mp_http, config_stores(self.address.config_dir), model or self.address.model,
+        return MPTarget(self.address.mp_http, config_stores(self.address.config_dir),
+                        model or self.selector.model or self.address.model,
                         self._coordinator(required=False))
 
     def plan_eviction(self, selection: Selection) -> EvictionPlan:
