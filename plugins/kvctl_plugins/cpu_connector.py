@@ -8,7 +8,8 @@ vLLM's own `cpu_attn_reshape_and_cache` where every (token, head, dim) of K and 
 block (writing index-encoded values into a scratch block once). A load writes with that same op,
 vLLM's C++ kernel (about twice torch's strided copy on K, which vec/vec16 keep transposed); a store
 reads each run of slots in a block with one strided copy per layer, K and V, or, for a layout that
-is no strided view (AMX), gathers element by element over the probed positions.
+is no strided view (AMX), gathers element by element over the probed positions. Where vLLM attends
+with AMX, the connector first asks Linux for AMX tile state (request_amx_tiles).
 
 LMCache's side of the data is KV_2LTD: [2, num_layers, num_tokens, num_kv_heads * head_size].
 """
@@ -70,6 +71,15 @@ def strided_layout(layout: torch.Tensor) -> tuple[int, tuple[int, int, int]] | N
     return (offset, strides) if torch.equal(offset + ranges[0] + ranges[1] + ranges[2], layout) else None
 
 
+def request_amx_tiles() -> None:
+    """Ask Linux for AMX tile state (arch_prctl XTILEDATA), which a process must do before its first tile
+    instruction. vLLM's AMX attention never asks; oneDNN asks on its first large bf16 GEMM. A restarted
+    vLLM whose first request is an LMCache hit attends over loaded KV before any such GEMM, and without
+    this its worker dies of SIGILL."""
+    if not torch._C._cpu._init_amx():
+        raise RuntimeError("Linux refused this process AMX tile state, which vLLM's amx attention needs")
+
+
 def slot_runs(slots: torch.Tensor, block_size: int) -> list[tuple[int, int, int]]:
     """(first token, first slot, tokens) of each run of consecutive slots inside one block."""
     breaks = ((slots[1:] != slots[:-1] + 1) | (slots[1:] % block_size == 0)).nonzero().flatten() + 1
@@ -117,6 +127,8 @@ class VLLMCPUPagedConnector:
             from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
             self._isa = self.isa or _get_attn_isa(layer.dtype, block_size, self.head_size, self.kv_cache_dtype)
+            if self._isa == "amx":
+                request_amx_tiles()
             self._layout = probe_block_layout(self.num_kv_heads, block_size, self.head_size, layer.dtype, self._isa)
             strided = [strided_layout(layout) for layout in self._layout]
             self._strided = strided if all(strided) else None

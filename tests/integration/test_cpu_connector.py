@@ -64,3 +64,41 @@ def test_store_and_retrieve_round_trip_through_vllms_cpu_layout(dtype, isa):
     untouched = [slot for slot in range(blocks * block_size) if slot not in set(slots.tolist())]
     assert untouched and all(torch.count_nonzero(cache[0]) == 0 for cache in caches)
     assert any(torch.count_nonzero(original) for original in originals)
+
+
+ATTEND_OVER_LOADED_KV = """
+import torch
+from kvctl_plugins.cpu_connector import VLLMCPUPagedConnector
+from vllm import _custom_ops as ops
+
+heads, kv_heads, head_size, block_size, blocks, context = 4, 2, 32, 128, 12, 1280
+cache = torch.zeros(blocks, kv_heads, block_size, 2 * head_size, dtype=torch.bfloat16)
+loaded = type("MemoryObj", (), {})()
+loaded.tensor = torch.randn(2, 1, context, kv_heads * head_size).to(torch.bfloat16)
+slots = torch.arange(block_size, block_size + context)
+VLLMCPUPagedConnector(1, kv_heads, head_size, torch.bfloat16).to_gpu(loaded, 0, context, kvcaches=[cache],
+                                                                     slot_mapping=slots)
+key_cache, value_cache = cache.view(blocks, kv_heads, block_size * 2, head_size).chunk(2, dim=2)
+query = torch.randn(3, heads, head_size).to(torch.bfloat16)
+output = torch.empty_like(query)
+starts, lengths = torch.tensor([0, 3], dtype=torch.int32), torch.tensor([context + 3], dtype=torch.int32)
+table = torch.arange(1, blocks, dtype=torch.int32).view(1, -1)
+plan = ops.cpu_attn_get_scheduler_metadata(1, heads, kv_heads, head_size, lengths, torch.bfloat16, starts, True, -1,
+                                           "amx", False)
+ops.cpu_attention_with_kv_cache(query, key_cache, value_cache, output, starts, lengths, head_size ** -0.5, True, None,
+                                -1, table, 0.0, plan, None)
+print("attended", bool(torch.isfinite(output).all()))
+"""
+
+
+@pytest.mark.skipif("amx" not in CPU_ATTENTION_ISAS, reason="this CPU has no AMX tiles: vLLM never picks amx here")
+def test_amx_attention_over_kv_the_connector_loaded_runs_in_a_fresh_process():
+    """A restarted vLLM whose first request is an LMCache hit runs AMX attention over loaded KV before any
+    large bf16 GEMM (which is where oneDNN would ask Linux for AMX tiles): without the connector asking,
+    the worker dies of SIGILL (seen on a Sapphire Rapids-class machine)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", ATTEND_OVER_LOADED_KV], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    assert done.stdout.split() == ["attended", "True"]
