@@ -12,6 +12,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
+from functools import singledispatch
 from typing import Any, Protocol
 
 from kvctl_plugins.wire import TIER_ORDER  # LMCache's tier order and hit rule, shared with the routes
@@ -206,10 +207,10 @@ def from_engine_answers(info: dict[str, Any], answers: list[dict[str, Any]],
 
 def read_tiers(token_ids: list[int], target, mp_url: str | None = None):
     """Look tokens up in the stores of a target, reading them directly (clients closed afterwards),
-    joined by the MP server's L1 answer when its URL is known."""
+    joined by the L1 answer of the MP server at `mp_url` (an MP instance gives it)."""
     from kvctl.clients.stores import open_store
 
-    presence, errors = mp_l1_presence(mp_url, token_ids, target) if mp_url and target.mode == "mp" else ({}, {})
+    presence, errors = mp_l1_presence(mp_url, token_ids, target) if mp_url else ({}, {})
     with ExitStack() as stack:
         def open_source(store):
             source = open_store(store)
@@ -275,10 +276,7 @@ def diagnose(tokens: Sequence[int], target: Target, result: LookupResult,
                                 f"is in no tier checked, so the hit stops at {stored} tokens",
                                 "it was evicted or never stored; prewarm the prompt to store it again"))
         return found
-    if target.mode == "mp":
-        found.extend(_diagnose_mp(tokens, target, sources))
-    else:
-        found.extend(_diagnose_inprocess(tokens, target, sources))
+    found.extend(diagnose_first_miss(target.recipe, tokens, sources))
     return found
 
 
@@ -291,8 +289,15 @@ def _stored_inprocess_keys(sources: dict[str, Source]) -> dict[str, set[str]]:
     return stored
 
 
-def _diagnose_inprocess(tokens: Sequence[int], target: Target, sources: dict[str, Source]) -> list[Diagnostic]:
-    recipe: KeyRecipe = target.recipe
+@singledispatch
+def diagnose_first_miss(recipe, tokens: Sequence[int], sources: dict[str, Source]) -> list[Diagnostic]:
+    """Why a prompt's first chunk is in no tier, by comparing the keys stored with the keys `recipe` makes
+    (one implementation per kind of chunk key)."""
+    raise NotImplementedError(type(recipe).__name__)
+
+
+@diagnose_first_miss.register
+def _diagnose_inprocess(recipe: KeyRecipe, tokens: Sequence[int], sources: dict[str, Source]) -> list[Diagnostic]:
     stored = _stored_inprocess_keys(sources)
     everything = set().union(*stored.values())
     if not everything:
@@ -374,8 +379,8 @@ def _explain(recipe: KeyRecipe, found: KeyRecipe) -> Diagnostic:
                       "start every process with the same PYTHONHASHSEED (kvctl config init writes it to env.sh)")
 
 
-def _diagnose_mp(tokens: Sequence[int], target: Target, sources: dict[str, Source]) -> list[Diagnostic]:
-    recipe: MPKeyRecipe = target.recipe
+@diagnose_first_miss.register
+def _diagnose_mp(recipe: MPKeyRecipe, tokens: Sequence[int], sources: dict[str, Source]) -> list[Diagnostic]:
     names = [name for source in sources.values() for name in source.stored_names(SCAN_LIMIT)]
     if not names:
         return [Diagnostic("nothing_stored", "the L2 tiers checked hold no chunks at all",

@@ -439,10 +439,10 @@ class ConfigView:
     """What a configuration directory says, for the checks that read files."""
 
     path: Path
-    mode: str
     facts: KeyFacts
     values: dict[str, Any]  # lmcache.yaml as written
     settings: dict[str, Any]  # effective (in-process) or as written (MP)
+    exposed: dict[str, Any]  # what decides the binds and routes (Deployment.exposed)
     env: dict[str, str]
     stores: list
     files: list[Path]
@@ -452,45 +452,20 @@ class ConfigView:
 def read_config(config: str | os.PathLike) -> ConfigView:
     from kvctl.core.lmcache.config import locate
     from kvctl.core.lmcache.deployment import read_deployment
-    from kvctl.core.lmcache.keys import dtype_name
-    from kvctl.core.lmcache.schema import mp_server_flags
 
     deployment = read_deployment(config)
     files = [path for path in vars(locate(config)).values() if path is not None]
     has_env = any(path.name == "env.sh" for path in files)
     seed = deployment.env.get("PYTHONHASHSEED", UNSET if has_env else None)
-    settings = deployment.settings
-    if deployment.mode == "mp":
-        flags = mp_server_flags()
-        facts = KeyFacts(settings.get("chunk_size", flags["chunk_size"]["default"]),
-                         settings.get("hash_algorithm", flags["hash_algorithm"]["default"]), seed,
-                         deployment.env.get("KVCTL_MODEL"))
-    else:
-        dtype = deployment.env.get("KVCTL_KV_DTYPE")
-        facts = KeyFacts(settings["chunk_size"], settings["pre_caching_hash_algorithm"], seed,
-                         deployment.env.get("KVCTL_MODEL"), dtype_name(dtype) if dtype else None)
-    return ConfigView(Path(config), deployment.mode, facts, deployment.values, settings, deployment.env,
-                      deployment.stores, files, deployment.kv_transfer)
-
-
-WITHOUT_ROUTES = {
-    "inprocess": ("its CPU tier is not visible (ls and lookup show disk and Redis only; evict takes disk and Redis), "
-                  "and pins, prefetch, chunk bytes through the engine and the routes-token check do not work; stats, "
-                  "health, freeze, hot-cache, backends, conf and chunk-stats use LMCache's own routes and work",
-                  "load kvctl's plugins: \"kv_connector_module_path\": \"kvctl_plugins.vllm_connector\" in vLLM's "
-                  "--kv-transfer-config (kvctl plugins enable), or python -m kvctl_plugins.standalone"),
-    "mp": ("its L1 (cpu) is not visible to ls and lookup, a prompt's L1 objects cannot be evicted and snapshots "
-           "through the server do not work; stats, health, quota, reconfigure, checksums, pins through the "
-           "coordinator and the L2 stores with --config work",
-           "add --server-module '{\"module_path\": \"kvctl_plugins.mp_routes\"}' to its lmcache server command"),
-}
+    return ConfigView(Path(config), deployment.key_facts(seed), deployment.values, deployment.settings,
+                      deployment.exposed, deployment.env, deployment.stores, files, deployment.kv_transfer)
 
 
 def routes_findings(running: Running, where: str, instance: str | None = None) -> list[Finding]:
     """A stock server: what kvctl cannot do there, and the one line that fixes it."""
     if not running.routes_absent:
         return []
-    cost, hint = WITHOUT_ROUTES[running.mode]
+    cost, hint = running.without_routes
     return [Finding("warning", "routes", f"kvctl's routes are absent: {where} is LMCache's own server without "
                     "kvctl's plugins", f"without them {cost}", hint, instance)]
 
@@ -500,8 +475,7 @@ def routes_findings(running: Running, where: str, instance: str | None = None) -
 
 def config_findings(view: ConfigView, instance: str | None = None) -> list[Finding]:
     """Everything a configuration directory alone shows: exposure, secrets, disk and Redis stores."""
-    findings = exposure_findings(view.settings if view.mode == "inprocess" else view.values, config_guard(view),
-                                 str(view.path), instance)
+    findings = exposure_findings(view.exposed, config_guard(view), str(view.path), instance)
     findings += secret_file_findings(view.files, instance)
     findings += store_findings(view.stores, view.settings, instance)
     if view.facts.hash_seed == UNSET and view.facts.seed_matters():
@@ -567,7 +541,7 @@ def examine(address, config: str | os.PathLike | None = None, timeout: float = T
         findings.append(did_not_run("config_drift", "no configuration directory known (give --config, or config_dir in "
                               "the inventory): running values not compared with files", name))
     overridden: set[str] = set()
-    if view is not None and running.env is not None and running.mode == "inprocess":
+    if view is not None and running.env is not None and running.reads_lmcache_env:
         override = env_overrides(running.env, view.values, running.conf, "lmcache.yaml", name)
         overridden = {finding.what.split("=", 1)[0] for finding in override if finding.level == "warning"}
         findings += override
@@ -577,13 +551,12 @@ def examine(address, config: str | os.PathLike | None = None, timeout: float = T
         skip = frozenset(key for key, variable in (("chunk_size", "LMCACHE_CHUNK_SIZE"), (
             "hash_algorithm", "LMCACHE_PRE_CACHING_HASH_ALGORITHM")) if variable in overridden)
         findings += compare_with_config(running.facts, view.facts, str(view.path), name, skip)
-        findings += exposure_findings(view.settings if view.mode == "inprocess" else view.values,
-                                      config_guard(view), str(view.path), name)
+        findings += exposure_findings(view.exposed, config_guard(view), str(view.path), name)
         findings += secret_file_findings(view.files, name)
     if running.conf and (view is None or any(running.conf.get(key) != view.settings.get(key) for key in EXPOSURE_KEYS)
                          or running_guard(running).gaps() != config_guard(view).gaps()):
         findings += exposure_findings(running.conf, running_guard(running), "running engine", name)
-    if running.mode == "inprocess":
+    if running.counts_retrieves:
         findings += retrieve_findings(running.stats, name)
     stores = list(view.stores) if view is not None else []
     if not stores and running.conf:

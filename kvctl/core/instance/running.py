@@ -11,12 +11,28 @@ from kvctl.core.lmcache.key_facts import UNSET, KeyFacts
 TIMEOUT_S = 10.0
 
 
+# Per kind: what kvctl cannot do on a stock server (without its routes), and the one change that fixes it.
+INPROCESS_WITHOUT_ROUTES = (
+    "its CPU tier is not visible (ls and lookup show disk and Redis only; evict takes disk and Redis), and pins, "
+    "prefetch, chunk bytes through the engine and the routes-token check do not work; stats, health, freeze, "
+    "hot-cache, backends, conf and chunk-stats use LMCache's own routes and work",
+    "load kvctl's plugins: \"kv_connector_module_path\": \"kvctl_plugins.vllm_connector\" in vLLM's "
+    "--kv-transfer-config (kvctl plugins enable), or python -m kvctl_plugins.standalone")
+MP_WITHOUT_ROUTES = (
+    "its L1 (cpu) is not visible to ls and lookup, a prompt's L1 objects cannot be evicted and snapshots through "
+    "the server do not work; stats, health, quota, reconfigure, checksums, pins through the coordinator and the "
+    "L2 stores with --config work",
+    "add --server-module '{\"module_path\": \"kvctl_plugins.mp_routes\"}' to its lmcache server command")
+
+
 @dataclass
 class Running:
     """What a running instance answered (None where it did not), and why not."""
 
     facts: KeyFacts
-    mode: str
+    without_routes: tuple[str, str]  # what kvctl loses on this kind without its routes, and the fix
+    reads_lmcache_env: bool  # LMCACHE_* variables override its configuration file (in-process)
+    counts_retrieves: bool  # its metrics count lookups and retrieves (in-process)
     env: dict[str, str] | None = None
     conf: dict[str, Any] | None = None
     stats: dict[str, Any] | None = None
@@ -68,7 +84,8 @@ def read_running(address, timeout: float = TIMEOUT_S) -> Running:
             facts.lmcache_version = _ask(notes, "version", lambda: server.request("GET", "/lmc_version"))
             env = _ask(notes, "/env", lambda: server.request("GET", "/env"))
             routes, absent = _routes(notes, server)
-            running = Running(facts, "mp", env if isinstance(env, dict) else None, None, None, notes, routes, absent)
+            running = Running(facts, MP_WITHOUT_ROUTES, False, False, env if isinstance(env, dict) else None,
+                              notes=notes, routes=routes, routes_absent=absent)
     else:
         from kvctl.clients.internal_api import InternalAPIClient
 
@@ -92,8 +109,8 @@ def read_running(address, timeout: float = TIMEOUT_S) -> Running:
             except KvctlError:
                 facts.kv_dtype = str(meta["kv_dtype"])
         stats = lmcache_stats(merge_samples([metrics]), None) if isinstance(metrics, str) else None
-        running = Running(facts, "inprocess", env if isinstance(env, dict) else None, conf or None, stats, notes,
-                          routes if isinstance(routes, dict) else None, absent)
+        running = Running(facts, INPROCESS_WITHOUT_ROUTES, True, True, env if isinstance(env, dict) else None,
+                          conf or None, stats, notes, routes if isinstance(routes, dict) else None, absent)
     if running.env is not None:
         facts.hash_seed = running.env.get("PYTHONHASHSEED", UNSET)
     if address.vllm:

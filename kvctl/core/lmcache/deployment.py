@@ -12,7 +12,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from kvctl.core.errors import KvctlError, UsageError
 from kvctl.core.lmcache.config import (
@@ -23,6 +23,7 @@ from kvctl.core.lmcache.config import (
     parse_env_file,
     read_text,
 )
+from kvctl.core.lmcache.key_facts import KeyFacts
 from kvctl.core.lmcache.keys import KeyRecipe, MPKeyRecipe, dtype_name
 from kvctl.core.lmcache.schema import mp_server_flags
 from kvctl.core.lmcache.tiers import RedisURL, parse_redis_url
@@ -73,15 +74,78 @@ def kv_dtype_for_model(model_dir: str | os.PathLike, platform: str = "cpu") -> s
 
 @dataclass
 class Deployment:
-    """What a `kvctl config init` directory (or an lmcache.yaml) says about a deployment."""
+    """What a `kvctl config init` directory (or an lmcache.yaml) says about a deployment; one subclass
+    per LMCache mode, chosen once by read_deployment (or engine_deployment), says what differs."""
 
-    mode: str
+    mode: ClassVar[str]
     env: dict[str, str]
     values: dict[str, Any]  # lmcache.yaml as written (MP: the server's settings)
     settings: dict[str, Any]  # in-process: LMCache's effective configuration; MP: the values
     stores: list[Store]
     notes: list[str]
     kv_transfer: dict[str, Any] = field(default_factory=dict)  # vLLM's --kv-transfer-config, where written
+
+    @property
+    def exposed(self) -> dict[str, Any]:
+        """The settings that decide what the deployment's servers bind and allow."""
+        raise NotImplementedError
+
+    def key_facts(self, seed: str | None) -> KeyFacts:
+        """What makes this deployment's chunk keys, as its files say."""
+        raise NotImplementedError
+
+    def recipe(self, model: str, kv_dtype: str | None, model_dir: str | None, seed: str | None,
+               world_size: int) -> KeyRecipe | MPKeyRecipe:
+        raise NotImplementedError
+
+
+@dataclass
+class InProcessDeployment(Deployment):
+    """LMCacheConnectorV1 inside vLLM: keys name the KV dtype; LMCACHE_* variables and defaults apply."""
+
+    mode: ClassVar[str] = "inprocess"
+
+    @property
+    def exposed(self) -> dict[str, Any]:
+        return self.settings
+
+    def key_facts(self, seed: str | None) -> KeyFacts:
+        dtype = self.env.get("KVCTL_KV_DTYPE")
+        return KeyFacts(self.settings["chunk_size"], self.settings["pre_caching_hash_algorithm"], seed,
+                        self.env.get("KVCTL_MODEL"), dtype_name(dtype) if dtype else None)
+
+    def recipe(self, model: str, kv_dtype: str | None, model_dir: str | None, seed: str | None,
+               world_size: int) -> KeyRecipe:
+        if kv_dtype:
+            dtype = dtype_name(kv_dtype)
+        elif model_dir:
+            dtype = kv_dtype_for_model(model_dir)
+        else:
+            raise UsageError(f"cannot tell the KV dtype of {model!r} (not a local directory)", hint="pass --kv-dtype")
+        return KeyRecipe(model, self.settings["chunk_size"], self.settings["pre_caching_hash_algorithm"], seed, True,
+                         self.settings["save_unfull_chunk"], world_size, 0, dtype)
+
+
+@dataclass
+class MPDeployment(Deployment):
+    """An `lmcache server` and LMCacheMPConnector: its settings are the server's flags, defaults from
+    LMCache's own parser; keys do not name the KV dtype."""
+
+    mode: ClassVar[str] = "mp"
+
+    @property
+    def exposed(self) -> dict[str, Any]:
+        return self.values
+
+    def _setting(self, name: str) -> Any:
+        return self.settings.get(name, mp_server_flags()[name]["default"])
+
+    def key_facts(self, seed: str | None) -> KeyFacts:
+        return KeyFacts(self._setting("chunk_size"), self._setting("hash_algorithm"), seed, self.env.get("KVCTL_MODEL"))
+
+    def recipe(self, model: str, kv_dtype: str | None, model_dir: str | None, seed: str | None,
+               world_size: int) -> MPKeyRecipe:
+        return MPKeyRecipe(model, self._setting("chunk_size"), self._setting("hash_algorithm"), seed, world_size)
 
 
 def read_deployment(config: str | os.PathLike) -> Deployment:
@@ -94,10 +158,10 @@ def read_deployment(config: str | os.PathLike) -> Deployment:
     values = load_mapping(files.yaml_path) if files.yaml_path else {}
     if detect_mode(kv_transfer or None, values or None) == "mp":
         stores, notes = _mp_stores(values)
-        return Deployment("mp", env, values, values, stores, notes, kv_transfer)
+        return MPDeployment(env, values, values, stores, notes, kv_transfer)
     settings = effective_config(values, "file", {}, kv_transfer.get("kv_connector_extra_config") or {}, "vllm").values
     stores, notes = inprocess_stores(settings)
-    return Deployment("inprocess", env, values, settings, stores, notes, kv_transfer)
+    return InProcessDeployment(env, values, settings, stores, notes, kv_transfer)
 
 
 def inprocess_stores(settings: dict[str, Any]) -> tuple[list[Store], list[str]]:
@@ -125,7 +189,7 @@ def engine_deployment(conf: dict[str, Any], meta: dict[str, Any], env: dict[str,
              "PYTHONHASHSEED": (env or {}).get("PYTHONHASHSEED")}
     if env is None:
         notes.append("the engine's /env did not answer: its PYTHONHASHSEED is unknown")
-    return Deployment("inprocess", {name: value for name, value in facts.items() if value}, conf, conf, stores, notes)
+    return InProcessDeployment({name: value for name, value in facts.items() if value}, conf, conf, stores, notes)
 
 
 def target_from_config(config: str | os.PathLike, model: str | None, kv_dtype: str | None = None,
@@ -138,7 +202,6 @@ def target_from_deployment(deployment: Deployment, model: str | None, kv_dtype: 
                            world_size: int = 1, hash_seed: str | None = None) -> Target:
     """The key recipe and stores of a deployment, for `model` (else the one its env names)."""
     model = model or deployment.env.get("KVCTL_MODEL")
-    kv_dtype = kv_dtype or deployment.env.get("KVCTL_KV_DTYPE")
     if not model:
         raise UsageError("which model? chunk keys contain the model name vLLM was given",
                          hint="pass --model with the value of vLLM's --model (a directory or a hub id)")
@@ -147,21 +210,8 @@ def target_from_deployment(deployment: Deployment, model: str | None, kv_dtype: 
     notes = list(deployment.notes)
     if seed is None:
         notes.append("no PYTHONHASHSEED known for the serving process (env.sh sets none); assuming it was unset")
-    settings = deployment.settings
-    if deployment.mode == "mp":
-        flags = mp_server_flags()
-        recipe = MPKeyRecipe(model, settings.get("chunk_size", flags["chunk_size"]["default"]),
-                             settings.get("hash_algorithm", flags["hash_algorithm"]["default"]), seed, world_size)
-        return Target("mp", recipe, deployment.stores, model_dir, notes)
-    if kv_dtype:  # in-process keys name the KV dtype; MP keys do not
-        dtype = dtype_name(kv_dtype)
-    elif model_dir:
-        dtype = kv_dtype_for_model(model_dir)
-    else:
-        raise UsageError(f"cannot tell the KV dtype of {model!r} (not a local directory)", hint="pass --kv-dtype")
-    recipe = KeyRecipe(model, settings["chunk_size"], settings["pre_caching_hash_algorithm"], seed, True,
-                       settings["save_unfull_chunk"], world_size, 0, dtype)
-    return Target("inprocess", recipe, deployment.stores, model_dir, notes)
+    recipe = deployment.recipe(model, kv_dtype or deployment.env.get("KVCTL_KV_DTYPE"), model_dir, seed, world_size)
+    return Target(deployment.mode, recipe, deployment.stores, model_dir, notes)
 
 
 def _mp_stores(values: dict[str, Any]) -> tuple[list[Store], list[str]]:
