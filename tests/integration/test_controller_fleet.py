@@ -188,7 +188,8 @@ def test_an_instance_configured_elsewhere_is_answered_for_by_the_controller(flee
     init = run_kvctl("config", "init", "--out", root / "node-c", "--tier", "cpu:0.05", "--controller",
                      f"127.0.0.1:{controller_port}", "--internal-api-port-start", mapped, "--hash-algorithm", "builtin")
     assert init.code == 0, init.stderr
-    edit_yaml(root / "node-c" / "lmcache.yaml", internal_api_server_port_start=api, pin_timeout_sec=6)
+    edit_yaml(root / "node-c" / "lmcache.yaml", internal_api_server_port_start=api, pin_timeout_sec=10,
+              pin_check_interval_sec=2)  # LMCache checks pins every 30 s unless told
     url, log = f"http://127.0.0.1:{api + 1}", root / "node-c.log"
     proc = start_standalone_engine(root / "node-c", log)
     stale = f"{fleet['controller']}?stale_after_s={STALE_S}"
@@ -225,7 +226,7 @@ def test_an_instance_configured_elsewhere_is_answered_for_by_the_controller(flee
         _, held, _ = node_c("evict", "--tier", "cpu", "--all", "--yes")
         assert held["removed"] == {"cpu": 0} and held["cleared_whole"] == ["cpu"]  # pinned: LMCache skips them
         wait_until(lambda: node_c("evict", "--tier", "cpu", "--all", "--yes")[1]["removed"] == {"cpu": 2}, 30,
-                   "the pin timeout (6 s) and the clear")
+                   "the pin timeout (10 s, checked every 2 s) and the clear")
         assert http_json("POST", f"{url}/kvctl/v1/lookup", json={"tokens": json.loads(prompt.read_text())})[
             "hit_tokens"]["total"] == 0
     finally:
