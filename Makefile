@@ -11,7 +11,7 @@ setup:
 # started; a file stays whole on one worker, sharing its servers, except end-to-end tests, which spread
 # (tests/conftest.py: the schedule, longest first).
 test: setup lint
-	$(PY) -m pytest -n 3 --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -n 3 --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The in-memory layer, the pure functions, the commands and the property layer on a small budget:
 # under 30 s on two cores, no servers started.

@@ -16,9 +16,10 @@ settings.register_profile("quick", max_examples=60, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 settings.load_profile("thorough")
 
-# make test's schedule (pytest-xdist --dist loadgroup), longest first: an end-to-end test starts its own vLLM
-# and shares nothing, so each goes to whichever worker is free; every other file stays whole on one worker,
-# where its tests share their servers (module fixtures).
+# make test's schedule (pytest-xdist --dist loadscope --no-loadscope-reorder), longest first: an end-to-end
+# test starts its own vLLM and shares nothing, so each goes to whichever worker is free; every other file
+# stays whole on one worker, where its tests share their servers (module fixtures set up once, not once per
+# worker). pytest-xdist's xdist_group marks cannot say this under pytest 9 (loadgroup no longer groups).
 SCHEDULE = ("tests/e2e/", "tests/property/", "tests/integration/")
 
 
@@ -27,10 +28,20 @@ def pytest_collection_modifyitems(config, items):
         return next((index for index, prefix in enumerate(SCHEDULE) if item.nodeid.startswith(prefix)),
                     len(SCHEDULE))
 
-    for item in items:
-        if not item.nodeid.startswith(SCHEDULE[0]):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
     items.sort(key=rank)  # stable: a file's tests stay together and in order
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadscope with the work units of SCHEDULE: one per end-to-end test, one per other file."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WholeFilesApartEndToEnd(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return nodeid if nodeid.startswith(SCHEDULE[0]) else nodeid.split("::")[0]
+
+    return WholeFilesApartEndToEnd(config, log)
 
 
 @dataclass

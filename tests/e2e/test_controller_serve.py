@@ -30,11 +30,12 @@ def wait_synced(cache, name: str) -> None:
 
 
 @pytest.mark.slow
-def test_a_warm_prompt_is_found_through_the_controller_and_copied_verified(tmp_path, monkeypatch):
+def test_a_warm_prompt_is_found_through_the_controller_and_copied_verified(tmp_path, tiny_model, monkeypatch):
     prompt = prompt_file(tmp_path)
     controller_port = free_port(span=4)
     controller = f"controller://127.0.0.1:{controller_port}"
-    node_a = Serve(tmp_path / "node-a", "--controller", "--controller-port", str(controller_port), "--name", "a")
+    node_a = Serve(tmp_path / "node-a", "--controller", "--controller-port", str(controller_port), "--name", "a",
+                   model=tiny_model)
     node_b = None
     try:
         model = node_a.state["model"]

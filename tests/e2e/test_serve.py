@@ -7,6 +7,7 @@ import os
 import pty
 import re
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -29,13 +30,16 @@ def group_alive(pid: int) -> bool:
 
 
 class Serve:
-    """`kvctl serve` in a child process, with its own kvctl cache directory."""
+    """`kvctl serve` in a child process, with its own kvctl cache directory. `model`, the session's tiny
+    model, is copied where serve would build it (the build is tested by test_make_run_ends_cleanly_on_ctrl_c)."""
 
-    def __init__(self, cache, *args, ready=True):
+    def __init__(self, cache, *args, ready=True, model=None):
         self.env = {**os.environ, "KVCTL_CACHE_DIR": str(cache)}
         self.state_file = cache / "serve" / "state.json"
         self.port, self.api, self.mp_http, self.coordinator = free_port(), free_port(), free_port(), free_port()
         cache.mkdir(parents=True, exist_ok=True)
+        if model is not None and not (cache / "models" / "tiny").exists():
+            shutil.copytree(model, cache / "models" / "tiny")
         self.stderr = cache / f"serve-{time.monotonic_ns()}.err"
         argv = [str(KVCTL), "serve", "--port", str(self.port), "--internal-api-port-start", str(self.api),
                 "--mp-port", str(free_port()), "--mp-http-port", str(self.mp_http), "--coordinator-port",
@@ -113,10 +117,10 @@ def assert_state_and_config_name_the_running_instance(serve, prompt, chunks, tmp
 
 
 @pytest.mark.slow
-def test_serve_prewarm_lookup_restart_stop_inprocess(tmp_path):
+def test_serve_prewarm_lookup_restart_stop_inprocess(tmp_path, tiny_model):
     cache = tmp_path / "kvctl-cache"
     prompt = prompt_file(tmp_path)
-    serve = Serve(cache)
+    serve = Serve(cache, model=tiny_model)
     try:
         assert serve.state["mode"] == "inprocess" and serve.state["model"].endswith("models/tiny")
         assert os.path.exists(serve.state["endpoints"]["offload_socket"])
@@ -191,8 +195,8 @@ def read_available(leader: int) -> bytes:
 
 
 @pytest.mark.slow
-def test_serve_exits_with_the_log_when_a_child_dies(tmp_path):
-    serve = Serve(tmp_path / "kvctl-cache")
+def test_serve_exits_with_the_log_when_a_child_dies(tmp_path, tiny_model):
+    serve = Serve(tmp_path / "kvctl-cache", model=tiny_model)
     try:
         os.killpg(serve.pids[0], signal.SIGKILL)
         serve.proc.wait(60)
@@ -206,10 +210,10 @@ def test_serve_exits_with_the_log_when_a_child_dies(tmp_path):
 
 
 @pytest.mark.slow
-def test_serve_mp_prewarm_lookup(tmp_path):
+def test_serve_mp_prewarm_lookup(tmp_path, tiny_model):
     cache = tmp_path / "kvctl-cache"
     prompt = prompt_file(tmp_path, "json/__init__")
-    serve = Serve(cache, "--mode", "mp")
+    serve = Serve(cache, "--mode", "mp", model=tiny_model)
     try:
         assert [process["name"] for process in serve.state["processes"]] == ["lmcache-coordinator", "lmcache-server",
                                                                             "vllm"]
@@ -251,9 +255,9 @@ def test_serve_mp_prewarm_lookup(tmp_path):
 
 
 @pytest.mark.slow
-def test_serve_on_ipv6_loopback_is_ready_when_vllm_is_not_when_a_proxy_says_so(tmp_path, monkeypatch):
+def test_serve_on_ipv6_loopback_is_ready_when_vllm_is_not_when_a_proxy_says_so(tmp_path, tiny_model, monkeypatch):
     with proxy_answering_200(monkeypatch) as proxied:
-        serve = Serve(tmp_path / "kvctl-cache", "--host", "::1")
+        serve = Serve(tmp_path / "kvctl-cache", "--host", "::1", model=tiny_model)
     try:
         vllm = f"http://[::1]:{serve.port}"
         assert serve.state["endpoints"]["vllm"] == vllm
@@ -269,8 +273,8 @@ def test_serve_on_ipv6_loopback_is_ready_when_vllm_is_not_when_a_proxy_says_so(t
 
 
 @pytest.mark.slow
-def test_serve_reports_a_worker_api_that_cannot_bind_within_seconds(tmp_path):
-    serve = Serve(tmp_path / "kvctl-cache", ready=False)
+def test_serve_reports_a_worker_api_that_cannot_bind_within_seconds(tmp_path, tiny_model):
+    serve = Serve(tmp_path / "kvctl-cache", ready=False, model=tiny_model)
     log = tmp_path / "kvctl-cache" / "serve" / "default" / "logs" / "vllm.log"
     try:
         vllm = wait_until(lambda: started_child(serve.proc.pid, "vllm.entrypoints"), 60, "vLLM started")
@@ -293,8 +297,8 @@ def test_serve_reports_a_worker_api_that_cannot_bind_within_seconds(tmp_path):
 
 
 @pytest.mark.slow
-def test_serve_mp_starts_a_coordinator_that_pins_go_through(tmp_path):
-    serve = Serve(tmp_path / "kvctl-cache", "--mode", "mp")
+def test_serve_mp_starts_a_coordinator_that_pins_go_through(tmp_path, tiny_model):
+    serve = Serve(tmp_path / "kvctl-cache", "--mode", "mp", model=tiny_model)
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps([(7 * i) % 1000 + 3 for i in range(2 * 256)]))
     try:

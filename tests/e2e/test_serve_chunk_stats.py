@@ -14,7 +14,7 @@ from tests.helpers import run_kvctl, wait_until
 
 
 @pytest.mark.slow
-def test_a_repeated_prompt_is_the_hottest_and_doctor_sees_it_retrieved(tmp_path):
+def test_a_repeated_prompt_is_the_hottest_and_doctor_sees_it_retrieved(tmp_path, tiny_model):
     config = tmp_path / "cfg"
     made = run_kvctl("config", "init", "--out", config, "--tier", "cpu:1", "--tier", f"disk:{tmp_path / 'disk'}:1")
     assert made.code == 0, made.stderr
@@ -25,7 +25,7 @@ def test_a_repeated_prompt_is_the_hottest_and_doctor_sees_it_retrieved(tmp_path)
     settings.setdefault("extra_config", {})["chunk_statistics_file_output_dir"] = str(hashes)
     (config / "lmcache.yaml").write_text(yaml.safe_dump(settings))
     prompt = prompt_file(tmp_path)
-    serve = Serve(tmp_path / "kvctl-cache", "--config", config, "--", "--no-enable-prefix-caching")
+    serve = Serve(tmp_path / "kvctl-cache", "--config", config, "--", "--no-enable-prefix-caching", model=tiny_model)
     try:
         body = {"model": serve.state["model"], "prompt": prompt.read_text(), "max_tokens": 1}
         for _ in range(2):

@@ -27,8 +27,8 @@ def stats(serve):
 
 
 @pytest.mark.slow
-def test_stats_right_after_traffic_count_what_vllm_counts(tmp_path):
-    serve = Serve(tmp_path / "kvctl-cache", "--", "--no-enable-prefix-caching")
+def test_stats_right_after_traffic_count_what_vllm_counts(tmp_path, tiny_model):
+    serve = Serve(tmp_path / "kvctl-cache", "--", "--no-enable-prefix-caching", model=tiny_model)
     try:
         requests = 0
         for _round in range(2):  # twice: LMCache's figures must move with the traffic, not with an export

@@ -10,11 +10,11 @@ from tests.helpers import wait_until
 
 
 @pytest.mark.slow
-def test_serve_prefills_and_pins_its_pin_set_once_ready(tmp_path):
+def test_serve_prefills_and_pins_its_pin_set_once_ready(tmp_path, tiny_model):
     prompt = prompt_file(tmp_path)
     pins = tmp_path / "pins.yaml"
     pins.write_text(f"name: boot\npins:\n  - prompt_file: {prompt.name}\n    ttl: 1h\n")
-    serve = Serve(tmp_path / "kvctl-cache", "--pins", pins)
+    serve = Serve(tmp_path / "kvctl-cache", "--pins", pins, model=tiny_model)
     try:
         def listed():
             result = serve.kvctl("pins", "--format", "json")

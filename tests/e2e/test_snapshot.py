@@ -35,10 +35,10 @@ def retrieve_hit_tokens(serve: Serve) -> int:
 
 
 @pytest.mark.slow
-def test_a_snapshot_moves_a_warm_prompt_to_a_node_that_never_saw_it(tmp_path, monkeypatch):
+def test_a_snapshot_moves_a_warm_prompt_to_a_node_that_never_saw_it(tmp_path, tiny_model, monkeypatch):
     prompt = prompt_file(tmp_path)
     snap = tmp_path / "warm.kvsnap"
-    node_a = Serve(tmp_path / "node-a")
+    node_a = Serve(tmp_path / "node-a", model=tiny_model)
     try:
         model = node_a.state["model"]
         uncached = greedy(node_a, prompt.read_text())  # the first request: nothing was cached yet
@@ -74,12 +74,12 @@ def test_a_snapshot_moves_a_warm_prompt_to_a_node_that_never_saw_it(tmp_path, mo
 
 
 @pytest.mark.slow
-def test_an_mp_snapshot_moves_a_warm_prompt_between_two_mp_nodes(tmp_path, monkeypatch):
+def test_an_mp_snapshot_moves_a_warm_prompt_between_two_mp_nodes(tmp_path, tiny_model, monkeypatch):
     """The same move between two `kvctl serve --mode mp` nodes: chunks read from A's L1 and written into B's
     through its server (whose vLLM registered the model's layout), then retrieved by B's vLLM from the server."""
     prompt = prompt_file(tmp_path, "json/__init__")
     snap = tmp_path / "warm-mp.kvsnap"
-    node_a = Serve(tmp_path / "node-a", "--mode", "mp")
+    node_a = Serve(tmp_path / "node-a", "--mode", "mp", model=tiny_model)
     try:
         model = node_a.state["model"]
         uncached = greedy(node_a, prompt.read_text())
