@@ -28,6 +28,11 @@ from kvctl_plugins.wire import MP_HASH_BYTES
 
 from kvctl.core.errors import KvctlError, UsageError
 
+try:
+    from kvctl.core.lmcache import _chunk_hash  # compiled at install (pyproject's ext-modules)
+except ImportError:  # no C compiler where kvctl was installed: the same keys, computed more slowly
+    _chunk_hash = None
+
 INPROCESS_ALGORITHMS = ("builtin", "sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 MP_ALGORITHMS = ("blake3", "sha256_cbor")  # builtin exists but cannot give stable keys
 VLLM_DEFAULT_SEED = "vllm-none-hash"  # vllm.v1.core.kv_cache_utils.DEFAULT_NONE_HASH_SEED
@@ -101,11 +106,22 @@ def _hash_function(algorithm: str, vllm_importable: bool):
         return lambda data: xxhash.xxh3_128_digest(pickle.dumps(data, protocol=pickle.HIGHEST_PROTOCOL))
     import cbor2
 
-    if algorithm == "sha256_cbor":
-        return lambda data: hashlib.sha256(cbor2.dumps(data, canonical=True)).digest()
-    import xxhash
+    digest = _cbor_digest(algorithm)
+    return lambda data: digest(cbor2.dumps(data, canonical=True))
 
-    return lambda data: xxhash.xxh3_128_digest(cbor2.dumps(data, canonical=True))
+
+def _cbor_digest(algorithm: str):
+    """What the CBOR algorithms apply to the encoded tuple (None for the others)."""
+    if algorithm == "sha256_cbor":
+        import hashlib
+
+        sha256 = hashlib.sha256
+        return lambda encoded: sha256(encoded).digest()
+    if algorithm == "xxhash_cbor":
+        import xxhash
+
+        return xxhash.xxh3_128_digest
+    return None
 
 
 @lru_cache(maxsize=32)
@@ -145,21 +161,29 @@ def none_hash(recipe: KeyRecipe) -> int:
 def chunk_hashes(tokens: Sequence[int], recipe: KeyRecipe) -> list[int]:
     """The prefix-chained hash of every stored chunk of `tokens`.
 
-    One loop per kind of hash, with no call of ours per chunk: a 128K-token prompt is 512 chunks, and
-    the Python work around each C hash call is most of the time for builtin hash()."""
+    The compiled chain (_chunk_hash.c) when it was built and can take the tokens; otherwise one loop per
+    kind of hash, with no call of ours per chunk: a 128K-token prompt is 512 chunks."""
     hash_function = _hash_function(recipe.hash_algorithm, recipe.vllm_importable)
     size = recipe.chunk_size
-    chunks = range(0, len(tokens) if recipe.save_unfull_chunk else len(tokens) - len(tokens) % size, size)
+    stop = len(tokens) if recipe.save_unfull_chunk else len(tokens) - len(tokens) % size
     prefix = none_hash(recipe)
+    digest = None if hash_function is hash else _cbor_digest(recipe.hash_algorithm)
+    if _chunk_hash is not None and (hash_function is hash or digest is not None):
+        try:
+            if digest is None:
+                return _chunk_hash.builtin_chain(prefix, tokens, size, stop)
+            return _chunk_hash.cbor_chain(prefix, tokens, size, stop, digest)
+        except (TypeError, OverflowError):
+            pass  # not a list of ints, or an integer beyond 64 bits: cbor2 and the loops below know those
     hashes = []
     append = hashes.append
     if hash_function is hash:  # ints all along: nothing to fold
-        for start in chunks:
+        for start in range(0, stop, size):
             prefix = hash((prefix, tuple(tokens[start:start + size]), ()))
             append(prefix)
         return hashes
     from_bytes = int.from_bytes
-    for start in chunks:
+    for start in range(0, stop, size):
         prefix = from_bytes(hash_function((prefix, tuple(tokens[start:start + size]), ()))[:8], "big")
         append(prefix)
     return hashes
