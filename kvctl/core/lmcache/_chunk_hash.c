@@ -12,7 +12,6 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
-#include <string.h>
 
 /* Appends the CBOR head of major type `major` with argument `value` (shortest form); returns the end. */
 static unsigned char *put_head(unsigned char *out, unsigned char major, uint64_t value) {
@@ -57,6 +56,16 @@ static unsigned char *put_int(unsigned char *out, PyObject *number) {
     return NULL;
 }
 
+/* The tokens' items, fetched again for every chunk: a digest or a token's __hash__ runs Python code,
+   which may have resized the list. NULL with an exception set when it no longer reaches `stop`. */
+static PyObject **chunk_items(PyObject *tokens, Py_ssize_t stop) {
+    if (PySequence_Fast_GET_SIZE(tokens) < stop) {
+        PyErr_SetString(PyExc_ValueError, "the tokens changed while they were hashed");
+        return NULL;
+    }
+    return PySequence_Fast_ITEMS(tokens);
+}
+
 static int chunk_arguments(PyObject *tokens, Py_ssize_t size, Py_ssize_t stop) {
     if (!PyList_CheckExact(tokens) && !PyTuple_CheckExact(tokens)) {
         PyErr_SetString(PyExc_TypeError, "tokens must be a list or a tuple");
@@ -77,7 +86,6 @@ static PyObject *cbor_chain(PyObject *Py_UNUSED(module), PyObject *args) {
     Py_ssize_t size, stop;
     if (!PyArg_ParseTuple(args, "OOnnO", &prefix, &tokens, &size, &stop, &digest)) return NULL;
     if (chunk_arguments(tokens, size, stop) < 0) return NULL;
-    PyObject **items = PySequence_Fast_ITEMS(tokens);
     /* 0x83, the prefix (9), the chunk's array head (5), 9 per token, 0x80 */
     unsigned char *buffer = PyMem_Malloc(1 + 9 + 5 + 9 * (size_t)size + 1);
     PyObject *hashes = PyList_New(0);
@@ -89,11 +97,8 @@ static PyObject *cbor_chain(PyObject *Py_UNUSED(module), PyObject *args) {
     Py_INCREF(prefix);
     for (Py_ssize_t start = 0; start < stop; start += size) {
         Py_ssize_t end = start + size < stop ? start + size : stop;
-        if (PySequence_Fast_GET_SIZE(tokens) < stop) {  /* the digest, a Python callable, shrank the list */
-            PyErr_SetString(PyExc_ValueError, "the tokens changed while they were hashed");
-            goto fail;
-        }
-        items = PySequence_Fast_ITEMS(tokens);
+        PyObject **items = chunk_items(tokens, stop);
+        if (items == NULL) goto fail;
         unsigned char *out = buffer;
         *out++ = 0x83;
         out = put_int(out, prefix);
@@ -139,13 +144,14 @@ static PyObject *builtin_chain(PyObject *Py_UNUSED(module), PyObject *args) {
     Py_ssize_t size, stop;
     if (!PyArg_ParseTuple(args, "OOnn", &prefix, &tokens, &size, &stop)) return NULL;
     if (chunk_arguments(tokens, size, stop) < 0) return NULL;
-    PyObject **items = PySequence_Fast_ITEMS(tokens);
     PyObject *empty = PyTuple_New(0);
     PyObject *hashes = PyList_New(0);
     if (empty == NULL || hashes == NULL) goto fail_early;
     Py_INCREF(prefix);
     for (Py_ssize_t start = 0; start < stop; start += size) {
         Py_ssize_t end = start + size < stop ? start + size : stop;
+        PyObject **items = chunk_items(tokens, stop);
+        if (items == NULL) goto fail;
         PyObject *chunk = PyTuple_New(end - start);
         if (chunk == NULL) goto fail;
         for (Py_ssize_t index = start; index < end; index++) {

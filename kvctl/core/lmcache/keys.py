@@ -167,12 +167,12 @@ def chunk_hashes(tokens: Sequence[int], recipe: KeyRecipe) -> list[int]:
     size = recipe.chunk_size
     stop = len(tokens) if recipe.save_unfull_chunk else len(tokens) - len(tokens) % size
     prefix = none_hash(recipe)
-    digest = None if hash_function is hash else _cbor_digest(recipe.hash_algorithm)
-    if _chunk_hash is not None and (hash_function is hash or digest is not None):
+    if _chunk_hash is not None:
         try:
-            if digest is None:
+            if hash_function is hash:
                 return _chunk_hash.builtin_chain(prefix, tokens, size, stop)
-            return _chunk_hash.cbor_chain(prefix, tokens, size, stop, digest)
+            if (digest := _cbor_digest(recipe.hash_algorithm)) is not None:
+                return _chunk_hash.cbor_chain(prefix, tokens, size, stop, digest)
         except (TypeError, OverflowError):
             pass  # not a list of ints, or an integer beyond 64 bits: cbor2 and the loops below know those
     hashes = []
