@@ -17,7 +17,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from kvctl_plugins import protocol, wire
+from kvctl_plugins import engine_keys, protocol, wire
 from kvctl_plugins.protocol import BadRequest, NotFound
 
 PINNABLE = ("cpu", "disk")  # remote tiers have no pins in LMCache 0.5.6 (no-ops)
@@ -51,9 +51,9 @@ def select_backends(engine, tiers: list[str] | None) -> list[tuple[str, str, Any
     return [entry for entry in chosen if entry[0] in tiers]
 
 
-def chunk_keys(engine, tokens: list[int]) -> list[tuple[int, int, Any]]:
-    """(start, end, CacheEngineKey) per chunk, from the engine's own token database."""
-    return list(engine.token_database.process_tokens(tokens=protocol.tokens(tokens)))
+def chunk_keys(engine, tokens: Any) -> list[tuple[int, int, Any]]:
+    """(start, end, CacheEngineKey) per chunk of a request's token ids, as the engine makes them."""
+    return engine_keys.chunk_keys(engine, protocol.tokens(tokens))
 
 
 def parse_keys(texts: Any) -> list[Any]:
@@ -94,7 +94,7 @@ def lookup_tokens(raw: bytes) -> list[int]:
 
 def lookup(engine, tokens: list[int]) -> dict[str, Any]:
     """What each tier holds of the prompt `tokens` (checked already: lookup_tokens)."""
-    chunks = list(engine.token_database.process_tokens(tokens=tokens))
+    chunks = engine_keys.chunk_keys(engine, tokens)
     order = backends(engine)
     tiers = [tier for tier, _, _ in order]  # LMCache's lookup order: the walk the hit total follows
     presence = {tier: [backend.contains(key, False) for _, _, key in chunks] for tier, _, backend in order}

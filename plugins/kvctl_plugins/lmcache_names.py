@@ -26,6 +26,9 @@ IN_PROCESS = (
     ("lmcache.v1.memory_management", "MemoryFormat.KV_MLA_FMT"),
     ("lmcache.v1.pin_monitor", "PinMonitor"),
     ("lmcache.v1.token_database", "NONE_HASH"),  # chunk statistics keep the hash seed of the engine
+    ("lmcache.v1.token_database", "ChunkedTokenDatabase._get_init_hash"),  # engine_keys: the compiled chain,
+    ("lmcache.v1.token_database", "ChunkedTokenDatabase._hash_tokens"),  # checked against the engine's own
+    ("lmcache.v1.token_database", "ChunkedTokenDatabase._make_key_by_hash"),
     ("lmcache.v1.lookup_client.record_strategies.base", "RecordStrategy.__init__"),
     ("lmcache.v1.gpu_connector", "CreateGPUConnector"),
     ("lmcache.v1.gpu_connector.gpu_connectors", "GPUConnectorInterface"),
@@ -43,6 +46,7 @@ MP_SERVER = (
 )
 INSTANCE_ATTRIBUTES = (
     "LocalCPUBackend hot_cache / get_keys (engine_ops)",
+    "ChunkedTokenDatabase chunk_size, config.pre_caching_hash_algorithm / save_unfull_chunk (engine_keys)",
     "layout registry _lock / _registry, StorageManager _l1_managers_by_id, L1Manager _lock / _objects "
     "(mp_routes)",
 )

@@ -73,6 +73,22 @@ def test_inprocess_keys_without_vllm():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("vllm", [True, False])
+def test_the_plugin_route_makes_the_engine_keys(vllm):
+    """Inside the engine, kvctl's routes key a prompt by the compiled chain where the engine's own hash agrees
+    (builtin, sha256_cbor, xxhash_cbor with vLLM), else by process_tokens: the same keys either way."""
+    cases = [inprocess_case(algorithm, save_unfull=save_unfull, world_size=1)
+             for algorithm in INPROCESS_ALGORITHMS for save_unfull in (False, True)]
+    expected = lmcache_keys(cases, vllm=vllm)
+    through_plugin = lmcache_keys([{**case, "plugin": True} for case in cases], vllm=vllm)
+    for case, engine, plugin in zip(cases, expected, through_plugin):
+        assert plugin[0]["keys"] == engine[0] and len(engine[0]) >= 2, case
+        # without vLLM LMCache hashes every algorithm with hash(): the check refuses the CBOR chain then
+        compiled = case["algorithm"] == "builtin" or (vllm and case["algorithm"] in ("sha256_cbor", "xxhash_cbor"))
+        assert plugin[0]["compiled"] == compiled, case
+
+
+@pytest.mark.slow
 def test_keys_of_a_process_without_seed():
     """sha256 functions fall back to vLLM's fixed seed; builtin keys cannot be reproduced (kvctl says so)."""
     case = inprocess_case("sha256_cbor")

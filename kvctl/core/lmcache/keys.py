@@ -124,6 +124,20 @@ def _cbor_digest(algorithm: str):
     return None
 
 
+def compiled_chain(algorithm: str):
+    """The compiled chain (_chunk_hash.c) for an in-process algorithm, f(first prefix, tokens, chunk size,
+    stop) -> the chunk hashes (TypeError or OverflowError for tokens it cannot take); None when it was not
+    built or does not know the algorithm. kvctl's plugins use it inside the engine too (engine_keys.py)."""
+    if _chunk_hash is None:
+        return None
+    if algorithm == "builtin":
+        return _chunk_hash.builtin_chain
+    digest = _cbor_digest(algorithm)
+    if digest is None:
+        return None
+    return lambda prefix, tokens, size, stop: _chunk_hash.cbor_chain(prefix, tokens, size, stop, digest)
+
+
 @lru_cache(maxsize=32)
 def builtin_str_hash(text: str, seed: str) -> int:
     """Python's hash() of a string in a process started with PYTHONHASHSEED=seed.
@@ -167,12 +181,9 @@ def chunk_hashes(tokens: Sequence[int], recipe: KeyRecipe) -> list[int]:
     size = recipe.chunk_size
     stop = len(tokens) if recipe.save_unfull_chunk else len(tokens) - len(tokens) % size
     prefix = none_hash(recipe)
-    if _chunk_hash is not None:
+    if (chain := compiled_chain("builtin" if hash_function is hash else recipe.hash_algorithm)) is not None:
         try:
-            if hash_function is hash:
-                return _chunk_hash.builtin_chain(prefix, tokens, size, stop)
-            if (digest := _cbor_digest(recipe.hash_algorithm)) is not None:
-                return _chunk_hash.cbor_chain(prefix, tokens, size, stop, digest)
+            return chain(prefix, tokens, size, stop)
         except (TypeError, OverflowError):
             pass  # not a list of ints, or an integer beyond 64 bits: cbor2 and the loops below know those
     hashes = []

@@ -2,7 +2,9 @@
 
 usage: lmcache_keys.py VLLM(0|1) CASES_JSON
 Each case: {"mode": "inprocess", "algorithm", "chunk", "save_unfull", "model", "world_size", "dtype", "tokens"}
-        or {"mode": "mp", "algorithm", "chunk", "tokens"}.
+        or {"mode": "mp", "algorithm", "chunk", "tokens"}. An in-process case with "plugin": true gives, per
+worker, the keys kvctl's plugin route makes inside the engine (engine_keys) and whether the compiled chain
+made them.
 The interpreter's PYTHONHASHSEED is the serving process's seed.
 """
 
@@ -28,8 +30,21 @@ def inprocess(case):
                                    kv_dtype=getattr(torch, case["dtype"]), kv_shape=(2, 2, case["chunk"], 2, 32),
                                    use_mla=False, role="worker", chunk_size=case["chunk"])
         database = ChunkedTokenDatabase(config, metadata)
-        keys.append([[start, end, key.to_string()] for start, end, key in database.process_tokens(case["tokens"])])
+        if case.get("plugin"):
+            keys.append(through_plugin(database, case["tokens"]))
+        else:
+            keys.append([[start, end, key.to_string()] for start, end, key in database.process_tokens(case["tokens"])])
     return keys
+
+
+def through_plugin(database, tokens):
+    from types import SimpleNamespace
+
+    from kvctl_plugins import engine_keys
+
+    made = engine_keys.chunk_keys(SimpleNamespace(token_database=database), tokens)
+    return {"keys": [[start, end, key.to_string()] for start, end, key in made],
+            "compiled": engine_keys._compiled_hashes(database, tokens) is not None}
 
 
 def mp(case):
