@@ -17,7 +17,8 @@ settings.register_profile("quick", max_examples=60, deadline=None,
 settings.load_profile("thorough")
 
 # make test's schedule (pytest-xdist --dist loadscope --no-loadscope-reorder), longest first: an end-to-end
-# test starts its own vLLM and shares nothing, so each goes to whichever worker is free; every other file
+# test starts its own vLLM and shares nothing, so each goes to whichever worker is free (a class of them shares
+# one serve and stays together); every other file
 # stays whole on one worker, where its tests share their servers (module fixtures set up once, not once per
 # worker). pytest-xdist's xdist_group marks cannot say this under pytest 9 (loadgroup no longer groups).
 SCHEDULE = ("tests/e2e/", "tests/property/", "tests/integration/")
@@ -32,14 +33,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """--dist loadscope with the work units of SCHEDULE: one per end-to-end test, one per other file."""
+    """--dist loadscope with the work units of SCHEDULE: one per end-to-end test (or class), one per other file."""
     if config.getvalue("dist") != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
     class WholeFilesApartEndToEnd(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return nodeid if nodeid.startswith(SCHEDULE[0]) else nodeid.split("::")[0]
+            parts = nodeid.split("::")
+            return "::".join(parts[:2]) if nodeid.startswith(SCHEDULE[0]) else parts[0]
 
     return WholeFilesApartEndToEnd(config, log)
 

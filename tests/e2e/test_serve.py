@@ -1,6 +1,7 @@
 """`kvctl serve` on the embedded default, `kvctl prewarm` and `kvctl lookup` against it, restarts,
 nothing left running after a stop, a kill of kvctl, or the death of a child; readiness on IPv6 loopback
-that no proxy can fake, a start that fails within seconds, and MP pins through the coordinator serve starts."""
+that no proxy can fake, vLLM's own tokenization, a start that fails within seconds, and MP pins through the
+coordinator serve starts."""
 
 import json
 import os
@@ -17,6 +18,7 @@ import time
 import httpx
 import pytest
 
+from kvctl.core.lmcache.tokens import LocalTokenizer
 from tests.helpers import KVCTL, REPO, default_signals, free_port, proxy_answering_200, run_kvctl, wait_until
 from tests.integration.test_serve_readiness import started_child
 
@@ -31,9 +33,17 @@ def group_alive(pid: int) -> bool:
 
 class Serve:
     """`kvctl serve` in a child process, with its own kvctl cache directory. `model`, the session's tiny
-    model, is copied where serve would build it (the build is tested by test_make_run_ends_cleanly_on_ctrl_c)."""
+    model, is copied where serve would build it (the build is tested by test_make_run_ends_cleanly_on_ctrl_c).
+    Without --tier or --config, the default tiers (CPU and serve's own disk directory) with a CPU tier of
+    0.5 GB instead of a fifth of the free RAM: three serves at once would otherwise hold up to 15 GB of this
+    24 GB machine (an MP server touches all of its L1 at start), and the kernel's reclaim showed as 40-80 %
+    system CPU. The default size itself is platform.default_cpu_tier_gb's (unit-tested), and `make run`'s
+    test serves with it."""
 
     def __init__(self, cache, *args, ready=True, model=None):
+        if "--tier" not in args and "--config" not in args:
+            name = args[args.index("--name") + 1] if "--name" in args else "default"
+            args = ("--tier", "cpu:0.5", "--tier", f"disk:{cache / 'serve' / name / 'disk'}", *args)
         self.env = {**os.environ, "KVCTL_CACHE_DIR": str(cache)}
         self.state_file = cache / "serve" / "state.json"
         self.port, self.api, self.mp_http, self.coordinator = free_port(), free_port(), free_port(), free_port()
@@ -195,21 +205,6 @@ def read_available(leader: int) -> bytes:
 
 
 @pytest.mark.slow
-def test_serve_exits_with_the_log_when_a_child_dies(tmp_path, tiny_model):
-    serve = Serve(tmp_path / "kvctl-cache", model=tiny_model)
-    try:
-        os.killpg(serve.pids[0], signal.SIGKILL)
-        serve.proc.wait(60)
-    finally:
-        if serve.proc.poll() is None:
-            serve.stop()
-    assert serve.proc.returncode == 1
-    stderr = serve.stderr.read_text()
-    assert "error: vllm exited with code" in stderr and "hint: the whole log is" in stderr
-    serve.assert_nothing_left()
-
-
-@pytest.mark.slow
 def test_serve_mp_prewarm_lookup(tmp_path, tiny_model):
     cache = tmp_path / "kvctl-cache"
     prompt = prompt_file(tmp_path, "json/__init__")
@@ -254,22 +249,61 @@ def test_serve_mp_prewarm_lookup(tmp_path, tiny_model):
     again.assert_nothing_left()
 
 
+PROMPT = "def greet(name):\n    return f'Hello, {name}!'  # ünïcödé too\n" * 20
+CHAT = [{"role": "system", "content": "You answer in Python."}, {"role": "user", "content": "Sort a list."}]
+
+
+@pytest.fixture(scope="class")
+def ipv6(tmp_path_factory, tiny_model):
+    """One serve on IPv6 loopback, with a proxy that answers 200 to everything set in the environment."""
+    with pytest.MonkeyPatch.context() as monkeypatch, proxy_answering_200(monkeypatch) as proxied:
+        serve = Serve(tmp_path_factory.mktemp("ipv6") / "kvctl-cache", "--host", "::1", model=tiny_model)
+        try:
+            yield serve, proxied
+        finally:
+            if serve.proc.poll() is None:
+                serve.stop()
+            serve.assert_nothing_left()
+
+
 @pytest.mark.slow
-def test_serve_on_ipv6_loopback_is_ready_when_vllm_is_not_when_a_proxy_says_so(tmp_path, tiny_model, monkeypatch):
-    with proxy_answering_200(monkeypatch) as proxied:
-        serve = Serve(tmp_path / "kvctl-cache", "--host", "::1", model=tiny_model)
-    try:
+class TestOneServeOnIPv6Loopback:
+    """Checks that only read from a running serve share one (a vLLM start costs ~30 CPU-s); the last
+    test ends it."""
+
+    def test_serve_on_ipv6_loopback_is_ready_when_vllm_is_not_when_a_proxy_says_so(self, ipv6):
+        serve, proxied = ipv6
         vllm = f"http://[::1]:{serve.port}"
         assert serve.state["endpoints"]["vllm"] == vllm
         models = httpx.get(f"{vllm}/v1/models", timeout=10, trust_env=False).json()["data"]
         assert [model["id"] for model in models] == [serve.state["model"]]
         assert "waiting for vLLM, LMCache's scheduler API, LMCache's worker 0 API" in serve.stderr.read_text()
-        assert serve.stop() == 0
-    finally:
-        if serve.proc.poll() is None:
-            serve.stop()
-    assert proxied == []  # the proxy answering 200 to everything was never asked
-    serve.assert_nothing_left()
+        assert serve.kvctl("health").code == 0
+        assert proxied == []  # the proxy answering 200 to everything was never asked
+
+    def test_token_ids_equal_vllm_tokenize(self, ipv6, tiny_model):
+        """kvctl tokenizes prompts and chats exactly as the served vLLM does for the same request."""
+        serve, _ = ipv6
+        tokenize = f"{serve.state['endpoints']['vllm']}/tokenize"
+        tokenizer = LocalTokenizer(tiny_model)
+        served = httpx.post(tokenize, json={"model": serve.state["model"], "prompt": PROMPT}, timeout=30,
+                            trust_env=False).json()
+        assert served["tokens"] == tokenizer.encode_prompt(PROMPT)
+        assert served["tokens"][0] == tokenizer.tokenizer.bos_token_id
+        chat = httpx.post(tokenize, json={"model": serve.state["model"], "messages": CHAT}, timeout=30,
+                          trust_env=False).json()
+        assert chat["tokens"] == tokenizer.encode_chat(CHAT)
+        assert json.dumps(chat["tokens"]) != json.dumps(served["tokens"])
+
+    def test_serve_exits_with_the_log_when_a_child_dies(self, ipv6):
+        serve, proxied = ipv6
+        os.killpg(serve.pids[0], signal.SIGKILL)
+        serve.proc.wait(60)
+        assert serve.proc.returncode == 1
+        stderr = serve.stderr.read_text()
+        assert "error: vllm exited with code" in stderr and "hint: the whole log is" in stderr
+        serve.assert_nothing_left()
+        assert proxied == []
 
 
 @pytest.mark.slow

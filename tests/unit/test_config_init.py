@@ -42,6 +42,12 @@ def test_default_tiers_fit_the_machine(tmp_path):
     assert values["chunk_size"] % platform.vllm_block_size() == 0
 
 
+@pytest.mark.parametrize(("free_gb", "cpu_tier_gb"), [(20.0, 4.0), (100.0, 5.0), (1.0, 0.5), (7.3, 1.5)])
+def test_the_default_cpu_tier_is_a_fifth_of_the_free_ram_within_bounds(monkeypatch, free_gb, cpu_tier_gb):
+    monkeypatch.setattr(platform, "available_memory_gb", lambda: free_gb)
+    assert platform.default_cpu_tier_gb() == cpu_tier_gb
+
+
 def test_files_render_and_env_sh_matches_the_yaml(tmp_path):
     generated = build_config(ConfigRequest(tiers=tiers("cpu:1"), model="tiny"), tmp_path)
     files = generated.render(tmp_path)
