@@ -8,8 +8,9 @@ for the project's tiny model (2 layers x 2 KV heads x 32, bf16) and a realistic 
 `dst.copy_(src)` of one contiguous tensor of the same size: memory bandwidth. The last line is the
 connector's rate over the copy's for the realistic shape at block 128 (goal >= 0.5).
 
-vLLM CPU's vec/vec16 layouts keep K transposed in each block (token-minor), so every load is an
-element-by-element transpose of K: that, not the gather, bounds the rate. Both sides run on one
+vLLM CPU's layouts keep K transposed in each block, so every load transposes K. With vec/vec16 (block 16
+here, or any block without AMX) vLLM's own kernel does it element by element; with AMX tiles (bf16,
+block 128, on CPUs that have them) the connector's _amx_layout.c streams whole tile lines. Both sides run on one
 thread: on a shared machine, an OpenMP barrier waiting on a descheduled thread stalls each of the
 connector's many calls, not the copy's one, and would measure the machine instead of the code.
 """

@@ -9,7 +9,9 @@ block (writing index-encoded values into a scratch block once). A load writes wi
 vLLM's C++ kernel (about twice torch's strided copy on K, which vec/vec16 keep transposed); a store
 reads each run of slots in a block with one strided copy per layer, K and V, or, for a layout that
 is no strided view (AMX), gathers element by element over the probed positions. Where vLLM attends
-with AMX, the connector first asks Linux for AMX tile state (request_amx_tiles).
+with AMX, the connector first asks Linux for AMX tile state (request_amx_tiles), and where the probed
+layout is the AMX tile layout written in amx_layout, a load goes through _amx_layout.c instead: one
+32-bit store per pair of K dims or V tokens (vLLM's kernel writes the tiles element by element).
 
 LMCache's side of the data is KV_2LTD: [2, num_layers, num_tokens, num_kv_heads * head_size].
 """
@@ -71,6 +73,32 @@ def strided_layout(layout: torch.Tensor) -> tuple[int, tuple[int, int, int]] | N
     return (offset, strides) if torch.equal(offset + ranges[0] + ranges[1] + ranges[2], layout) else None
 
 
+def amx_layout(num_kv_heads: int, block_size: int, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flat positions of K and V in one block as vLLM's AMX attention keeps them (what _amx_layout.c
+    writes): per head K then V; K in tiles of 16 tokens holding pairs of dims, V in tiles of 16 dims
+    holding pairs of tokens. Used only when it equals the probed layout."""
+    token = torch.arange(block_size).view(-1, 1, 1)
+    head = torch.arange(num_kv_heads).view(1, -1, 1) * 2 * block_size * head_size
+    dim = torch.arange(head_size).view(1, 1, -1)
+    key = head + token // 16 * 16 * head_size + dim // 2 * 32 + token % 16 * 2 + dim % 2
+    value = head + block_size * head_size + dim // 16 * 16 * block_size + token // 2 * 32 + dim % 16 * 2 + token % 2
+    return key, value
+
+
+def amx_loader(layout: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype):
+    """_amx_layout.load where the probed layout is amx_layout's and the cache holds bf16; else None (no
+    compiled module, or another layout: vLLM's own kernel loads)."""
+    if dtype != torch.bfloat16 or not all(torch.equal(probed, formula)
+                                          for probed, formula in zip(layout, amx_layout(*layout[0].shape[1::-1],
+                                                                                        layout[0].shape[2]))):
+        return None
+    try:
+        from kvctl_plugins import _amx_layout
+    except ImportError:
+        return None
+    return _amx_layout.load
+
+
 def request_amx_tiles() -> None:
     """Ask Linux for AMX tile state (arch_prctl XTILEDATA), which a process must do before its first tile
     instruction. vLLM's AMX attention never asks; oneDNN asks on its first large bf16 GEMM. A restarted
@@ -102,6 +130,7 @@ class VLLMCPUPagedConnector:
         self.kvcaches: list[torch.Tensor] | None = None
         self._layout: tuple[torch.Tensor, torch.Tensor] | None = None
         self._strided: list | None = None
+        self._amx_load = None
         self._isa = ""
         self._block_size = 0
 
@@ -132,6 +161,7 @@ class VLLMCPUPagedConnector:
             self._layout = probe_block_layout(self.num_kv_heads, block_size, self.head_size, layer.dtype, self._isa)
             strided = [strided_layout(layout) for layout in self._layout]
             self._strided = strided if all(strided) else None
+            self._amx_load = amx_loader(self._layout, layer.dtype) if self._isa == "amx" else None
             self._block_size = block_size
 
     def from_gpu(self, memory_obj, start: int, end: int, **kwargs: Any) -> None:
@@ -172,12 +202,25 @@ class VLLMCPUPagedConnector:
             return
         slots = kwargs["slot_mapping"][start + skip:end].to(torch.int64)
         shape = (end - start - skip, self.num_kv_heads, self.head_size)
+        if self._amx_load is not None:
+            self._load_amx(memory_obj, skip, end - start, slots.contiguous())
+            return
         for layer_id, layer in enumerate(self.kvcaches):
             key, value = (memory_obj.tensor[which, layer_id, skip:end - start].reshape(shape).to(layer.dtype)
                           for which in (0, 1))
             key_cache, value_cache = layer.view(layer.shape[0], self.num_kv_heads, -1,
                                                 self.head_size).chunk(2, dim=2)
             ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, self._isa)
+
+    def _load_amx(self, memory_obj, first: int, stop: int, slots: torch.Tensor) -> None:
+        """Tokens [first, stop) of the memory object into the AMX tiles of every layer, by _amx_layout.c
+        (addresses of tensors held here, of the dtype and shapes it needs)."""
+        for layer_id, layer in enumerate(self.kvcaches):
+            key, value = (memory_obj.tensor[which, layer_id, first:stop].to(layer.dtype).contiguous()
+                          for which in (0, 1))
+            assert layer.is_contiguous() and key.shape[1] == self.num_kv_heads * self.head_size
+            self._amx_load(key.data_ptr(), value.data_ptr(), stop - first, key.shape[1], slots.data_ptr(),
+                           layer.data_ptr(), layer.shape[0], self.num_kv_heads, self._block_size, self.head_size)
 
     def batched_from_gpu(self, memory_objs, starts, ends, **kwargs: Any) -> None:
         for memory_obj, start, end in zip(memory_objs, starts, ends):

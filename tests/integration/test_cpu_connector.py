@@ -66,6 +66,40 @@ def test_store_and_retrieve_round_trip_through_vllms_cpu_layout(dtype, isa):
     assert any(torch.count_nonzero(original) for original in originals)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", CPU_ATTENTION_ISAS)
+@pytest.mark.parametrize("slots_kind", ["shuffled", "in runs"])
+def test_a_load_writes_the_cache_byte_for_byte_as_vllms_own_kernel(isa, slots_kind):
+    """Whatever writes the blocks (vLLM's kernel, or _amx_layout.c where the layout is AMX's), a load leaves
+    the cache exactly as vLLM's own cpu_attn_reshape_and_cache leaves it: scattered slots, and runs that
+    start on an odd token (V's token pairs split) and cross blocks."""
+    from kvctl_plugins.cpu_connector import VLLMCPUPagedConnector
+    from vllm import _custom_ops as ops
+
+    dtype = torch.bfloat16 if isa == "amx" else torch.float32
+    layers, heads, head_size, block_size, blocks, tokens = 2, 2, 64, 128, 6, 300
+    generator = torch.Generator().manual_seed(1)
+    if slots_kind == "shuffled":
+        slots = torch.randperm((blocks - 1) * block_size, generator=generator)[:tokens] + block_size
+    else:
+        order = torch.randperm(blocks - 1, generator=generator) + 1
+        slots = (order.view(-1, 1) * block_size + torch.arange(block_size)).flatten()[1:tokens + 1]
+    loaded = MemoryObj(torch.Size([2, layers, tokens, heads * head_size]), dtype)
+    expected = []
+    for layer in range(layers):
+        loaded.tensor[:, layer] = torch.randn(2, tokens, heads * head_size, generator=generator).to(dtype)
+        cache = torch.zeros(blocks, heads, block_size, 2 * head_size, dtype=dtype)
+        key_cache, value_cache = cache.view(blocks, heads, block_size * 2, head_size).chunk(2, dim=2)
+        key, value = (loaded.tensor[which, layer].reshape(tokens, heads, head_size) for which in (0, 1))
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+        expected.append(cache)
+    caches = [torch.zeros_like(cache) for cache in expected]
+    connector = VLLMCPUPagedConnector(layers, heads, head_size, dtype, isa=isa)
+    connector.batched_to_gpu([loaded], [0], [tokens], kvcaches=caches, slot_mapping=slots)
+    assert all(torch.equal(cache, wanted) for cache, wanted in zip(caches, expected))
+    assert (connector._amx_load is not None) == (isa == "amx")  # AMX's tiles: the compiled loader wrote them
+
+
 ATTEND_OVER_LOADED_KV = """
 import torch
 from kvctl_plugins.cpu_connector import VLLMCPUPagedConnector
