@@ -2,7 +2,7 @@
 
 Same tokens (a Python list), same chunk size (256), same seed, keys as strings; medians of 30 runs
 for LMCache's default hash (builtin) and for sha256_cbor, which kvctl's configs use. Goal (issue:
-lookup): at least as fast as LMCache and under 10 ms. The last line holds the figures.
+performance): at least twice as fast as LMCache, and under 10 ms. The last line holds the figures.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def main() -> None:
             lambda recipe=recipe: inprocess_keys(TOKENS, recipe),
             lambda db=database: [key.to_string() for _, _, key in db.process_tokens(TOKENS)])
         print(f"{algorithm}: kvctl {kvctl_ms:.2f} ms, LMCache {lmcache_ms:.2f} ms "
-              f"({lmcache_ms / kvctl_ms:.2f}x; goal >= 1x and < 10 ms)")
+              f"({lmcache_ms / kvctl_ms:.2f}x; goal >= 2x and < 10 ms)")
         figures.append(f"{algorithm}_ms={kvctl_ms:.2f} {algorithm}_vs_lmcache={lmcache_ms / kvctl_ms:.2f}x")
     print(" ".join(figures))
 

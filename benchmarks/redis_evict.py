@@ -4,7 +4,7 @@ A redis-server on 127.0.0.1 holds N LMCache chunks (two names each, as LMCache's
 them) plus other keys that must stay. kvctl finds the model's chunks by SCAN and removes both names of
 each by pipelined UNLINK, exactly as `kvctl evict --tier redis` does; its names-removed rate (SCAN
 included) is compared with redis-benchmark's pipelined UNLINK (16 per round trip, its default 50 clients).
-Goal (issue: cache operations): at least 50 %. The last line holds the figures.
+Goal (issue: performance): at least 80 %. The last line holds the figures.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def main() -> None:
     print(f"kvctl evict --tier redis: {CHUNKS:,} chunks ({2 * CHUNKS:,} names) in {seconds:.2f} s, SCAN included: "
           f"{kvctl_rate:,.0f} names/s; {OTHERS:,} other keys untouched")
     print(f"redis-benchmark -P 16 UNLINK (50 clients): {benchmark_rate:,.0f} requests/s")
-    print(f"kvctl_vs_redis_benchmark={kvctl_rate / benchmark_rate:.2f} (goal >= 0.50)")
+    print(f"kvctl_vs_redis_benchmark={kvctl_rate / benchmark_rate:.2f} (goal >= 0.80)")
 
 
 if __name__ == "__main__":

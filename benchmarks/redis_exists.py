@@ -2,7 +2,7 @@
 
 A redis-server on 127.0.0.1 holds N LMCache-style chunk entries; kvctl checks 2N names (half of
 them present) and the rate is compared with redis-benchmark's pipelined EXISTS (16 per round trip, its
-default 50 clients). Goal (issue: lookup): at least 50 %. The last line holds the figures.
+default 50 clients). Goal (issue: performance): at least 90 %. The last line holds the figures.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def main() -> None:
         benchmark_rate = redis_benchmark(port, len(names), "EXISTS", names[0])
     print(f"kvctl batched EXISTS: {kvctl_rate:,.0f} keys/s over {len(names):,} names")
     print(f"redis-benchmark -P 16 EXISTS (50 clients): {benchmark_rate:,.0f} requests/s")
-    print(f"kvctl_vs_redis_benchmark={kvctl_rate / benchmark_rate:.2f} (goal >= 0.50)")
+    print(f"kvctl_vs_redis_benchmark={kvctl_rate / benchmark_rate:.2f} (goal >= 0.90)")
 
 
 def _timed(function) -> float:

@@ -9,8 +9,8 @@ emptied database): the load against `redis-benchmark -P 16 -t set` with values o
 save against pipelined GETs of the same names (redis-benchmark's GET would read keys its own SET run
 wrote, mostly missing ones). The
 page cache is warm and no writeback pending at the start of every run; each figure is the best of
-five (this machine's disk throughput varies up to 2x from run to run). Goal (issue: beyond every
-peer): every ratio >= 0.5. The last line holds the figures.
+five (this machine's disk throughput varies up to 2x from run to run). Goal (issue: performance): every
+ratio >= 0.95. The last line holds the figures.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import argparse
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -33,7 +34,6 @@ from kvctl.core.instance.offline import OfflineInstance  # noqa: E402
 from kvctl.core.lmcache.keys import KeyRecipe, disk_file_name, key_string  # noqa: E402
 
 RUNS = 5
-HEADER = bytes(28)  # an LMCache RemoteMetadata header's size (one KV group): its content is not read here
 
 
 def best(run, prepare=lambda: None) -> float:
@@ -56,6 +56,12 @@ def configuration(root: Path, tier: str) -> Path:
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     return root / "cfg"
+
+
+def remote_metadata(size: int) -> bytes:
+    """LMCache's RemoteMetadata header for `size` bytes of bfloat16 as one flat KV group (length, format
+    KV_2LTD, dtype, shape): a save checks each Redis chunk's header against its bytes and its key."""
+    return struct.pack("=7i", size, 1, 3, size // 2, 0, 0, 0)
 
 
 def pipelined_get(client, keys: list[str]) -> None:
@@ -107,10 +113,10 @@ def main() -> None:
 
         with redis_server() as port:
             client = redis.Redis(port=port)
-            pipe = client.pipeline(transaction=False)
+            pipe, header = client.pipeline(transaction=False), remote_metadata(size)
             for key in keys:
                 pipe.set(key + "kv_bytes", data)
-                pipe.set(key + "metadata", HEADER)
+                pipe.set(key + "metadata", header)
             pipe.execute()
             source = OfflineInstance(configuration(root / "c", f"redis://127.0.0.1:{port}"), "bench", "bfloat16")
             save_redis_s = best(lambda: snapshot.save(source, snap, [], keys), lambda: snap.unlink(missing_ok=True))
@@ -133,7 +139,7 @@ def main() -> None:
     print(f"  kvctl snapshot save (redis){gib / save_redis_s:6.2f} GiB/s")
     print(f"  redis-benchmark -P 16 SET  {set_rate / 2**30:6.2f} GiB/s")
     print(f"  kvctl snapshot load (redis){gib / load_redis_s:6.2f} GiB/s")
-    print(" ".join(f"{name}={value:.2f}" for name, value in figures.items()) + " (goal >= 0.50 each)")
+    print(" ".join(f"{name}={value:.2f}" for name, value in figures.items()) + " (goal >= 0.95 each)")
 
 
 if __name__ == "__main__":
