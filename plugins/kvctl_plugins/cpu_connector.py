@@ -88,9 +88,9 @@ def amx_layout(num_kv_heads: int, block_size: int, head_size: int) -> tuple[torc
 def amx_loader(layout: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype):
     """_amx_layout.load where the probed layout is amx_layout's and the cache holds bf16; else None (no
     compiled module, or another layout: vLLM's own kernel loads)."""
-    if dtype != torch.bfloat16 or not all(torch.equal(probed, formula)
-                                          for probed, formula in zip(layout, amx_layout(*layout[0].shape[1::-1],
-                                                                                        layout[0].shape[2]))):
+    block_size, num_kv_heads, head_size = layout[0].shape
+    formulas = amx_layout(num_kv_heads, block_size, head_size)
+    if dtype != torch.bfloat16 or not all(map(torch.equal, layout, formulas)):
         return None
     try:
         from kvctl_plugins import _amx_layout
@@ -201,10 +201,10 @@ class VLLMCPUPagedConnector:
         if skip == end - start:
             return
         slots = kwargs["slot_mapping"][start + skip:end].to(torch.int64)
-        shape = (end - start - skip, self.num_kv_heads, self.head_size)
         if self._amx_load is not None:
             self._load_amx(memory_obj, skip, end - start, slots.contiguous())
             return
+        shape = (end - start - skip, self.num_kv_heads, self.head_size)
         for layer_id, layer in enumerate(self.kvcaches):
             key, value = (memory_obj.tensor[which, layer_id, skip:end - start].reshape(shape).to(layer.dtype)
                           for which in (0, 1))

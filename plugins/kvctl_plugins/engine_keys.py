@@ -15,17 +15,19 @@ from typing import Any
 
 def chunk_keys(engine, tokens: list[int]) -> list[tuple[int, int, Any]]:
     """(start, end, CacheEngineKey) per chunk of `tokens` (checked already), as process_tokens yields them."""
+    from kvctl.core.lmcache.keys import chunk_bounds
+
     database = engine.token_database
-    hashes = _compiled_hashes(database, tokens)
+    bounds = chunk_bounds(len(tokens), database.chunk_size, database.config.save_unfull_chunk)
+    hashes = _compiled_hashes(database, tokens, bounds[-1][1] if bounds else 0)
     if hashes is None:
         return list(database.process_tokens(tokens=tokens))
-    size, total = database.chunk_size, len(tokens)
     make_key = database._make_key_by_hash
-    return [(index * size, min(index * size + size, total), make_key(chunk_hash))
-            for index, chunk_hash in enumerate(hashes)]
+    return [(start, end, make_key(chunk_hash)) for (start, end), chunk_hash in zip(bounds, hashes)]
 
 
-def _compiled_hashes(database, tokens: list[int]) -> list[int] | None:
+def _compiled_hashes(database, tokens: list[int], stop: int) -> list[int] | None:
+    """The chain's hashes of the chunks of `tokens` before `stop`, where the engine's own hash agrees."""
     from lmcache.v1.token_database import ChunkedTokenDatabase
 
     from kvctl.core.lmcache.keys import compiled_chain
@@ -33,11 +35,9 @@ def _compiled_hashes(database, tokens: list[int]) -> list[int] | None:
     chain = compiled_chain(database.config.pre_caching_hash_algorithm)
     if chain is None or type(database) is not ChunkedTokenDatabase:
         return None
-    size = database.chunk_size
-    stop = len(tokens) if database.config.save_unfull_chunk else len(tokens) - len(tokens) % size
     first = database._get_init_hash()
     try:
-        hashes = chain(first, tokens, size, stop)
+        hashes = chain(first, tokens, database.chunk_size, stop)
     except (TypeError, OverflowError):
         return None
     if hashes and not _same_as_engine(database, tokens, hashes, first):

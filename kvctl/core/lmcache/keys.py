@@ -76,9 +76,14 @@ def dtype_name(dtype: str) -> str:
     return DTYPE_NAMES[name]
 
 
+def stored_end(num_tokens: int, chunk_size: int, save_unfull_chunk: bool) -> int:
+    """Where the chunks LMCache stores for a prompt of `num_tokens` tokens end (a partial one only if saved)."""
+    return num_tokens if save_unfull_chunk else num_tokens - num_tokens % chunk_size
+
+
 def chunk_bounds(num_tokens: int, chunk_size: int, save_unfull_chunk: bool) -> list[tuple[int, int]]:
     """(start, end) of each chunk LMCache stores for a prompt of `num_tokens` tokens."""
-    end = num_tokens if save_unfull_chunk else num_tokens - num_tokens % chunk_size
+    end = stored_end(num_tokens, chunk_size, save_unfull_chunk)
     return [(start, min(start + chunk_size, num_tokens)) for start in range(0, end, chunk_size)]
 
 
@@ -179,7 +184,7 @@ def chunk_hashes(tokens: Sequence[int], recipe: KeyRecipe) -> list[int]:
     kind of hash, with no call of ours per chunk: a 128K-token prompt is 512 chunks."""
     hash_function = _hash_function(recipe.hash_algorithm, recipe.vllm_importable)
     size = recipe.chunk_size
-    stop = len(tokens) if recipe.save_unfull_chunk else len(tokens) - len(tokens) % size
+    stop = stored_end(len(tokens), size, recipe.save_unfull_chunk)
     prefix = none_hash(recipe)
     if (chain := compiled_chain("builtin" if hash_function is hash else recipe.hash_algorithm)) is not None:
         try:

@@ -44,7 +44,7 @@ def through_plugin(database, tokens):
 
     made = engine_keys.chunk_keys(SimpleNamespace(token_database=database), tokens)
     return {"keys": [[start, end, key.to_string()] for start, end, key in made],
-            "compiled": engine_keys._compiled_hashes(database, tokens) is not None}
+            "compiled": engine_keys._compiled_hashes(database, tokens, made[-1][1] if made else 0) is not None}
 
 
 def mp(case):
