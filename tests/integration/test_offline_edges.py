@@ -103,6 +103,32 @@ def test_a_load_stopped_by_sigterm_removes_its_partial_files_and_a_live_loads_ar
     assert all(files[name] == data for name, data in chunk_files(disk).items())  # whatever was renamed is whole
 
 
+def test_an_interrupt_just_after_a_partial_file_is_created_still_removes_it(tmp_path, monkeypatch):
+    """A SIGTERM's KeyboardInterrupt lands between bytecodes: one landing right after the open() that created a
+    partial file (before its write) must still find the file to remove. CI once left one behind this way."""
+    from kvctl.core.instance import offline
+    from kvctl.core.instance.protocol import StoredChunk
+    from kvctl.core.lmcache.deployment import Store
+
+    store = offline.DirectoryStore(Store("disk", "lmcache-disk", (str(tmp_path),)))
+    real_open, created = os.open, []
+
+    def open_then_interrupted(path, flags, *args, **kwargs):
+        fd = real_open(path, flags, *args, **kwargs)
+        if str(path).endswith(PARTIAL):
+            created.append(path)
+            os.close(fd)
+            raise KeyboardInterrupt  # as the SIGTERM handler raises it, at the next bytecode
+        return fd
+
+    monkeypatch.setattr(offline.os, "open", open_then_interrupted)
+    keys = inprocess_keys(list(range(3 * CHUNK)), KeyRecipe("tiny", CHUNK, "sha256_cbor", "0", kv_dtype="half"))
+    with pytest.raises(KeyboardInterrupt):
+        store.write(StoredChunk(key, b"x" * 64) for key in keys)
+    monkeypatch.undo()
+    assert len(created) == 1 and os.listdir(tmp_path) == []
+
+
 @pytest.mark.slow
 def test_stale_partial_files_are_listed_by_doctor_and_a_dry_run_and_removed_by_the_eviction(tmp_path):
     snap, files = warm_snapshot(tmp_path / "source", 2, CHUNK_BYTES)

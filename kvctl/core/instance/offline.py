@@ -644,11 +644,16 @@ def _read_regular(path: str) -> bytes | None:
 
 
 def _write_new(path: str, partial: str, data: bytes | memoryview, staged: list[tuple[str, str]]) -> None:
-    """Write `path`'s bytes to `partial`, created afresh (never through a link), staged once created: a
-    file already at that name is not this load's to remove when it fails."""
+    """Write `path`'s bytes to `partial`, created afresh (never through a link). It is staged before it
+    is created, so an interrupt (SIGTERM) that lands just after the creation still finds it to remove,
+    and unstaged when the creation fails: a file already at that name is not this load's to remove."""
+    staged.append((partial, path))
     try:
         fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        staged.append((partial, path))
+    except OSError as error:
+        staged.pop()
+        raise _write_error(path, error) from None
+    try:
         with os.fdopen(fd, "wb") as file:
             file.write(data)
     except OSError as error:
