@@ -79,7 +79,7 @@ def test_restarted_vllm_hits_lmcache_from_disk_then_from_redis(tiny_model, tmp_p
     stored = prompt_tokens // CHUNK * CHUNK
     port_start = free_port()
     redis = start_redis()
-    tiers = ["--tier", "cpu:0.5", "--tier", f"disk:{tmp_path}/disk:1", "--tier", redis.url]
+    tiers = ["--tier", "cpu:0.1", "--tier", f"disk:{tmp_path}/disk:1", "--tier", redis.url]
     assert run_kvctl("config", "init", "--out", tmp_path / "cfg", *tiers, "--internal-api-port-start", port_start,
                      "--model", tiny_model).code == 0
 

@@ -35,15 +35,15 @@ class Serve:
     """`kvctl serve` in a child process, with its own kvctl cache directory. `model`, the session's tiny
     model, is copied where serve would build it (the build is tested by test_make_run_ends_cleanly_on_ctrl_c).
     Without --tier or --config, the default tiers (CPU and serve's own disk directory) with a CPU tier of
-    0.5 GB instead of a fifth of the free RAM: three serves at once would otherwise hold up to 15 GB of this
+    0.1 GB instead of a fifth of the free RAM: three serves at once would otherwise hold up to 15 GB of this
     24 GB machine (an MP server touches all of its L1 at start), and the kernel's reclaim showed as 40-80 %
-    system CPU. The default size itself is platform.default_cpu_tier_gb's (unit-tested), and `make run`'s
-    test serves with it."""
+    system CPU; LMCache also takes ~6 CPU-s per GB to set a CPU tier up. The default size itself is
+    platform.default_cpu_tier_gb's (unit-tested), and `make run`'s test serves with it."""
 
     def __init__(self, cache, *args, ready=True, model=None):
         if "--tier" not in args and "--config" not in args:
             name = args[args.index("--name") + 1] if "--name" in args else "default"
-            args = ("--tier", "cpu:0.5", "--tier", f"disk:{cache / 'serve' / name / 'disk'}", *args)
+            args = ("--tier", "cpu:0.1", "--tier", f"disk:{cache / 'serve' / name / 'disk'}", *args)
         self.env = {**os.environ, "KVCTL_CACHE_DIR": str(cache)}
         self.state_file = cache / "serve" / "state.json"
         self.port, self.api, self.mp_http, self.coordinator = free_port(), free_port(), free_port(), free_port()
@@ -242,11 +242,34 @@ def test_serve_mp_prewarm_lookup(tmp_path, tiny_model):
         logs = {process["name"]: process["log"] for process in again.state["processes"]}
         wait_until(lambda: re.search(r"Retrieved [1-9]\d* tokens", open(logs["lmcache-server"]).read()
                                      + open(logs["vllm"]).read()), 30, "a retrieve from LMCache")
+        assert_pins_go_through_the_coordinator(again, tmp_path)
         assert again.stop() == 0
     finally:
         if again.proc.poll() is None:
             again.stop()
+    stopping = [line for line in again.stderr.read_text().splitlines() if line.startswith("stopping ")]
+    assert stopping == ["stopping vllm", "stopping lmcache-server", "stopping lmcache-coordinator"]
     again.assert_nothing_left()
+
+
+def assert_pins_go_through_the_coordinator(serve, tmp_path):
+    """The coordinator MP serve starts has its server registered, and pins go through it (no --coordinator)."""
+    coordinator = serve.state["endpoints"]["coordinator"]
+    assert coordinator == f"http://127.0.0.1:{serve.coordinator}"
+    registered = httpx.get(f"{coordinator}/instances", timeout=10, trust_env=False).json()["instances"]
+    assert [(server["ip"], server["http_port"]) for server in registered] == [("127.0.0.1", serve.mp_http)]
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps([(7 * i) % 1000 + 3 for i in range(2 * 256)]))
+    pinned = serve.kvctl("pin", "--tokens-file", tokens, "--format", "json")
+    assert pinned.code == 0, pinned.stderr
+    assert json.loads(pinned.stdout) == {"model": serve.state["model"], "requested": 2, "affected": 2,
+                                         "status": "pinned"}
+    pins = json.loads(serve.kvctl("pins", "--format", "json").stdout)["pins"]
+    assert len(pins) == 2 and all(pin["pin_count"] == 1 and pin["key"].startswith(serve.state["model"] + "@")
+                                  for pin in pins)
+    unpinned = serve.kvctl("unpin", "--tokens-file", tokens, "--format", "json")
+    assert unpinned.code == 0 and json.loads(unpinned.stdout)["status"] == "unpinned", unpinned.stderr
+    assert json.loads(serve.kvctl("pins", "--format", "json").stdout) == {"pins": []}
 
 
 PROMPT = "def greet(name):\n    return f'Hello, {name}!'  # ünïcödé too\n" * 20
@@ -328,35 +351,3 @@ def test_serve_reports_a_worker_api_that_cannot_bind_within_seconds(tmp_path, ti
     assert "its last log lines:" in stderr and "hint: the whole log is" in stderr and "Traceback" not in stderr.split(
         "error:")[0]
     wait_until(lambda: not group_alive(vllm), 30, "vLLM stopped")
-
-
-@pytest.mark.slow
-def test_serve_mp_starts_a_coordinator_that_pins_go_through(tmp_path, tiny_model):
-    serve = Serve(tmp_path / "kvctl-cache", "--mode", "mp", model=tiny_model)
-    tokens = tmp_path / "tokens.json"
-    tokens.write_text(json.dumps([(7 * i) % 1000 + 3 for i in range(2 * 256)]))
-    try:
-        assert [process["name"] for process in serve.state["processes"]] == ["lmcache-coordinator", "lmcache-server",
-                                                                            "vllm"]
-        coordinator = serve.state["endpoints"]["coordinator"]
-        assert coordinator == f"http://127.0.0.1:{serve.coordinator}"
-        registered = httpx.get(f"{coordinator}/instances", timeout=10, trust_env=False).json()["instances"]
-        assert [(server["ip"], server["http_port"]) for server in registered] == [("127.0.0.1", serve.mp_http)]
-
-        pinned = serve.kvctl("pin", "--tokens-file", tokens, "--format", "json")  # no --coordinator: serve's
-        assert pinned.code == 0, pinned.stderr
-        assert json.loads(pinned.stdout) == {"model": serve.state["model"], "requested": 2, "affected": 2,
-                                             "status": "pinned"}
-        pins = json.loads(serve.kvctl("pins", "--format", "json").stdout)["pins"]
-        assert len(pins) == 2 and all(pin["pin_count"] == 1 and pin["key"].startswith(serve.state["model"] + "@")
-                                      for pin in pins)
-        unpinned = serve.kvctl("unpin", "--tokens-file", tokens, "--format", "json")
-        assert unpinned.code == 0 and json.loads(unpinned.stdout)["status"] == "unpinned", unpinned.stderr
-        assert json.loads(serve.kvctl("pins", "--format", "json").stdout) == {"pins": []}
-        assert serve.stop() == 0
-    finally:
-        if serve.proc.poll() is None:
-            serve.stop()
-    stopping = [line for line in serve.stderr.read_text().splitlines() if line.startswith("stopping ")]
-    assert stopping == ["stopping vllm", "stopping lmcache-server", "stopping lmcache-coordinator"]
-    serve.assert_nothing_left()

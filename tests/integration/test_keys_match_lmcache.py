@@ -32,8 +32,8 @@ def lmcache_keys(cases, seed="0", vllm=True):
     env.pop("PYTHONHASHSEED")
     if seed is not None:
         env["PYTHONHASHSEED"] = seed
-    done = subprocess.run([sys.executable, str(SCRIPT), "1" if vllm else "0", json.dumps(cases)], capture_output=True,
-                          text=True, env=env, timeout=600)
+    done = subprocess.run([sys.executable, str(SCRIPT), "1" if vllm else "0"], input=json.dumps(cases),
+                          capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -52,35 +52,67 @@ def assert_same(case, expected, seed, vllm):
                 == worker_keys), case["algorithm"]
 
 
+def mp_case(algorithm):
+    return {"mode": "mp", "algorithm": algorithm, "chunk": 256, "tokens": TOKENS}
+
+
+INPROCESS_CASES = [inprocess_case(algorithm) for algorithm in INPROCESS_ALGORITHMS] + [
+    inprocess_case("sha256_cbor", chunk=128, save_unfull=True, model="tiny", world_size=1, dtype="float16")]
+PLUGIN_CASES = [inprocess_case(algorithm, save_unfull=save_unfull, world_size=1)
+                for algorithm in INPROCESS_ALGORITHMS for save_unfull in (False, True)]
+WITHOUT_VLLM_CASES = [inprocess_case(algorithm, chunk=128, save_unfull=True, world_size=1)
+                      for algorithm in ("builtin", "sha256_cbor")]
+MP_CASES = [mp_case(algorithm) for algorithm in MP_ALGORITHMS]
+MP_BUILTIN = mp_case("builtin")
+
+
+def grouped(*groups, **child):
+    """The answers to `groups` of cases from one child process (each is an lmcache + vLLM import, ~10 CPU-s),
+    split back into their groups. The MP cases go first, as in a server, before any in-process database."""
+    answers = iter(lmcache_keys([case for group in groups for case in group], **child))
+    return [[next(answers) for _ in group] for group in groups]
+
+
+def through_plugin(cases):
+    return [{**case, "plugin": True} for case in cases]
+
+
+@pytest.fixture(scope="module")
+def seed_zero():
+    """Every seed-0 case with vLLM: MP, MP builtin twice, in-process, then each plugin case plain and keyed by
+    the plugin (the plugin cases last)."""
+    return grouped(MP_CASES, [MP_BUILTIN, MP_BUILTIN], INPROCESS_CASES, PLUGIN_CASES, through_plugin(PLUGIN_CASES))
+
+
+@pytest.fixture(scope="module")
+def without_vllm():
+    """Every case of an engine process without vLLM: in-process, then each plugin case plain and by the plugin."""
+    return grouped(WITHOUT_VLLM_CASES, PLUGIN_CASES, through_plugin(PLUGIN_CASES), vllm=False)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", ["0", "12345"])
-def test_inprocess_keys_with_vllm_importable(seed):
-    cases = [inprocess_case(algorithm) for algorithm in INPROCESS_ALGORITHMS]
-    cases.append(inprocess_case("sha256_cbor", chunk=128, save_unfull=True, model="tiny", world_size=1,
-                                dtype="float16"))
-    for case, expected in zip(cases, lmcache_keys(cases, seed=seed)):
+def test_inprocess_keys_with_vllm_importable(seed, request):
+    answers = request.getfixturevalue("seed_zero")[2] if seed == "0" else lmcache_keys(INPROCESS_CASES, seed=seed)
+    for case, expected in zip(INPROCESS_CASES, answers, strict=True):
         assert len(expected) == case["world_size"] and expected[0]
         assert_same(case, expected, seed, vllm=True)
 
 
 @pytest.mark.slow
-def test_inprocess_keys_without_vllm():
-    cases = [inprocess_case(algorithm, chunk=128, save_unfull=True, world_size=1)
-             for algorithm in ("builtin", "sha256_cbor")]
-    for case, expected in zip(cases, lmcache_keys(cases, vllm=False)):
+def test_inprocess_keys_without_vllm(without_vllm):
+    for case, expected in zip(WITHOUT_VLLM_CASES, without_vllm[0], strict=True):
         assert expected[0][-1][:2] == [640, 700]  # the unfull tail is a chunk of its own
         assert_same(case, expected, "0", vllm=False)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("vllm", [True, False])
-def test_the_plugin_route_makes_the_engine_keys(vllm):
+def test_the_plugin_route_makes_the_engine_keys(vllm, request):
     """Inside the engine, kvctl's routes key a prompt by the compiled chain where the engine's own hash agrees
     (builtin, sha256_cbor, xxhash_cbor with vLLM), else by process_tokens: the same keys either way."""
-    cases = [inprocess_case(algorithm, save_unfull=save_unfull, world_size=1)
-             for algorithm in INPROCESS_ALGORITHMS for save_unfull in (False, True)]
-    answers = lmcache_keys(cases + [{**case, "plugin": True} for case in cases], vllm=vllm)  # one engine process
-    for case, engine, plugin in zip(cases, answers[:len(cases)], answers[len(cases):]):
+    answers = request.getfixturevalue("seed_zero" if vllm else "without_vllm")
+    for case, engine, plugin in zip(PLUGIN_CASES, answers[-2], answers[-1], strict=True):
         assert plugin[0]["keys"] == engine[0] and len(engine[0]) >= 2, case
         # without vLLM LMCache hashes every algorithm with hash(): the check refuses the CBOR chain then
         compiled = case["algorithm"] == "builtin" or (vllm and case["algorithm"] in ("sha256_cbor", "xxhash_cbor"))
@@ -95,18 +127,16 @@ def test_keys_of_a_process_without_seed():
 
 
 @pytest.mark.slow
-def test_mp_chunk_hashes():
-    cases = [{"mode": "mp", "algorithm": algorithm, "chunk": 256, "tokens": TOKENS} for algorithm in MP_ALGORITHMS]
-    for case, expected in zip(cases, lmcache_keys(cases)):
+def test_mp_chunk_hashes(seed_zero):
+    for case, expected in zip(MP_CASES, seed_zero[0], strict=True):
         assert len(expected) == 2
         assert [h.hex() for h in mp_chunk_hashes(TOKENS, MPKeyRecipe("m", 256, case["algorithm"], "0"))] == expected
 
 
 @pytest.mark.slow
-def test_mp_builtin_keys_change_with_every_server_process():
+def test_mp_builtin_keys_change_with_every_server_process(seed_zero):
     """Why kvctl refuses MP `builtin`: LMCache hashes (prefix, tokens, None) and hash(None) is an address."""
-    case = {"mode": "mp", "algorithm": "builtin", "chunk": 256, "tokens": TOKENS}
-    first, second = lmcache_keys([case, case]), lmcache_keys([case])
-    assert first[0] == first[1] and first[0] != second[0]
+    first, (second,) = seed_zero[1], lmcache_keys([MP_BUILTIN])
+    assert first[0] == first[1] and first[0] != second
     with pytest.raises(UnreproducibleKeys):
         mp_chunk_hashes(TOKENS, MPKeyRecipe("m", 256, "builtin", "0"))

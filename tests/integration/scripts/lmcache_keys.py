@@ -1,6 +1,6 @@
 """Print the chunk keys real LMCache code makes, as JSON (run in a child process).
 
-usage: lmcache_keys.py VLLM(0|1) CASES_JSON
+usage: lmcache_keys.py VLLM(0|1) < CASES_JSON (on stdin: a long list is past what one argument may hold)
 Each case: {"mode": "inprocess", "algorithm", "chunk", "save_unfull", "model", "world_size", "dtype", "tokens"}
         or {"mode": "mp", "algorithm", "chunk", "tokens"}. An in-process case with "plugin": true gives, per
 worker, the keys kvctl's plugin route makes inside the engine (engine_keys) and whether the compiled chain
@@ -54,4 +54,4 @@ def mp(case):
     return [chunk_hash.hex() for chunk_hash in hasher.compute_chunk_hashes(case["tokens"])]
 
 
-print(json.dumps([inprocess(case) if case["mode"] == "inprocess" else mp(case) for case in json.loads(sys.argv[2])]))
+print(json.dumps([inprocess(case) if case["mode"] == "inprocess" else mp(case) for case in json.load(sys.stdin)]))
