@@ -15,12 +15,11 @@ import json
 import re
 import sysconfig
 
-import httpx
 import pytest
 
 from kvctl.clients.internal_api import InternalAPIClient
 from kvctl.clients.offload import OffloadClient, offload_socket_path
-from tests.helpers import free_port, run_kvctl, start_vllm, stop_process, wait_until
+from tests.helpers import free_port, http_client, run_kvctl, start_vllm, stop_process, wait_until
 
 PROMPT = (sysconfig.get_paths()["stdlib"] + "/json/__init__.py")
 CHUNK, VLLM_BLOCK = 256, 128  # LMCache's default chunk size; vLLM CPU's block size
@@ -49,7 +48,7 @@ def serve(model, config_dir, log):
                       env={"LMCACHE_CONFIG_FILE": str(config_dir / "lmcache.yaml")})
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: httpx.get(f"{url}/health", timeout=5).status_code == 200, 300, "vLLM", proc, log)
+        wait_until(lambda: http_client().get(f"{url}/health", timeout=5).status_code == 200, 300, "vLLM", proc, log)
     except BaseException:
         stop_process(proc, grace=20)  # a vLLM that never became ready is stopped too
         raise
@@ -58,7 +57,7 @@ def serve(model, config_dir, log):
 
 def complete(url, model, prompt):
     body = {"model": str(model), "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 1}
-    choice = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]
+    choice = http_client().post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]
     return choice["text"], choice["logprobs"]["token_logprobs"]
 
 
@@ -67,7 +66,7 @@ def hit_tokens(log):
 
 
 def prefix_cache_hits(url) -> float:
-    metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    metrics = http_client().get(f"{url}/metrics", timeout=10).text
     return sum(float(value) for value in re.findall(r"^vllm:prefix_cache_hits_total\{[^}]*\} (\S+)$", metrics, re.M))
 
 
@@ -88,7 +87,8 @@ def test_restarted_vllm_hits_lmcache_from_disk_then_from_redis(tiny_model, tmp_p
     try:
         recomputed = complete(url, tiny_model, prompt)
         wait_until(lambda: "Stored" in first_log.read_text(), 30, "LMCache store")
-        tokens = httpx.post(f"{url}/tokenize", json={"model": str(tiny_model), "prompt": prompt}).json()["tokens"]
+        tokenized = http_client().post(f"{url}/tokenize", json={"model": str(tiny_model), "prompt": prompt})
+        tokens = tokenized.json()["tokens"]
         assert len(tokens) == prompt_tokens  # kvctl's offline tokenizer counts as vLLM does
         hits_before = prefix_cache_hits(url)
         from_vllm_cache = complete(url, tiny_model, prompt)  # the prefix from vLLM's own bf16 cache

@@ -7,14 +7,22 @@ import re
 import sys
 import sysconfig
 
-import httpx
 import pytest
 import yaml
 
 from kvctl.core.config.init import mp_server_argv
 from kvctl.core.lmcache.keys import MPKeyRecipe, mp_object_keys
 from kvctl.core.serve.launch import MP_ROUTES_ARGV
-from tests.helpers import free_port, http_json, run_kvctl, start_process, start_vllm, stop_process, wait_until
+from tests.helpers import (
+    free_port,
+    http_client,
+    http_json,
+    run_kvctl,
+    start_process,
+    start_vllm,
+    stop_process,
+    wait_until,
+)
 
 
 @pytest.mark.slow
@@ -38,11 +46,13 @@ def test_offline_lookup_finds_what_the_mp_server_stored(tiny_model, tmp_path, st
         vllm = start_vllm(tiny_model, vllm_log, vllm_port,
                           ["--kv-transfer-config", (tmp_path / "cfg" / "kv-transfer-config.json").read_text()])
         url = f"http://127.0.0.1:{vllm_port}"
-        wait_until(lambda: httpx.get(f"{url}/health", timeout=5).status_code == 200, 300, "vLLM", vllm, vllm_log)
+        wait_until(lambda: http_client().get(f"{url}/health", timeout=5).status_code == 200, 300, "vLLM", vllm,
+                   vllm_log)
         prompt = open(sysconfig.get_paths()["stdlib"] + "/csv.py").read()[:2500]
         body = {"model": str(tiny_model), "prompt": prompt, "max_tokens": 4, "temperature": 0}
-        assert httpx.post(f"{url}/v1/completions", json=body, timeout=120).status_code == 200
-        tokens = httpx.post(f"{url}/tokenize", json={"model": str(tiny_model), "prompt": prompt}).json()["tokens"]
+        assert http_client().post(f"{url}/v1/completions", json=body, timeout=120).status_code == 200
+        tokenized = http_client().post(f"{url}/tokenize", json={"model": str(tiny_model), "prompt": prompt})
+        tokens = tokenized.json()["tokens"]
         stored = len(tokens) // 256 * 256
         expected = mp_object_keys(tokens, MPKeyRecipe(str(tiny_model), 256, "blake3"))
         wait_until(lambda: all((tmp_path / "l2" / ranks[0].fs_file_name()).exists() for ranks in expected), 60,

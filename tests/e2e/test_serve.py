@@ -15,11 +15,19 @@ import subprocess
 import sysconfig
 import time
 
-import httpx
 import pytest
 
 from kvctl.core.lmcache.tokens import LocalTokenizer
-from tests.helpers import KVCTL, REPO, default_signals, free_port, proxy_answering_200, run_kvctl, wait_until
+from tests.helpers import (
+    KVCTL,
+    REPO,
+    default_signals,
+    free_port,
+    http_client,
+    proxy_answering_200,
+    run_kvctl,
+    wait_until,
+)
 from tests.integration.test_serve_readiness import started_child
 
 
@@ -153,7 +161,7 @@ def test_serve_prewarm_lookup_restart_stop_inprocess(tmp_path, tiny_model):
     again = Serve(cache)  # same configuration and disk tier: the prompt now hits LMCache from disk
     try:
         body = {"model": again.state["model"], "prompt": prompt.read_text(), "max_tokens": 1}
-        completion = httpx.post(f"{again.state['endpoints']['vllm']}/v1/completions", json=body, timeout=120)
+        completion = http_client().post(f"{again.state['endpoints']['vllm']}/v1/completions", json=body, timeout=120)
         assert completion.status_code == 200
         log = again.state["processes"][0]["log"]
         wait_until(lambda: re.search(r"LMCache hit tokens: [1-9]", open(log).read()), 30, "an LMCache hit")
@@ -216,7 +224,7 @@ def test_serve_mp_prewarm_lookup(tmp_path, tiny_model):
         assert warmed.code == 0, warmed.stderr
         entry = json.loads(warmed.stdout)["prompts"][0]
         assert entry["chunks"] >= 2 and entry["cached_chunks"] == entry["chunks"] and entry["tiers"] == ["cpu", "disk"]
-        status = httpx.get(f"{serve.state['endpoints']['mp_http']}/status", timeout=10).json()
+        status = http_client().get(f"{serve.state['endpoints']['mp_http']}/status", timeout=10).json()
         assert status["storage_manager"]["l1_managers"]["_default"]["total_object_count"] >= entry["chunks"]
         health = json.loads(serve.kvctl("health", "--format", "json").stdout)
         checks = {check["component"]: check["ok"] for check in health["instances"][0]["checks"]}
@@ -237,7 +245,7 @@ def test_serve_mp_prewarm_lookup(tmp_path, tiny_model):
     again = Serve(cache, "--mode", "mp")  # a new server and vLLM: the prompt comes back from the fs L2 tier
     try:
         body = {"model": again.state["model"], "prompt": prompt.read_text(), "max_tokens": 1}
-        completion = httpx.post(f"{again.state['endpoints']['vllm']}/v1/completions", json=body, timeout=120)
+        completion = http_client().post(f"{again.state['endpoints']['vllm']}/v1/completions", json=body, timeout=120)
         assert completion.status_code == 200
         logs = {process["name"]: process["log"] for process in again.state["processes"]}
         wait_until(lambda: re.search(r"Retrieved [1-9]\d* tokens", open(logs["lmcache-server"]).read()
@@ -256,7 +264,7 @@ def assert_pins_go_through_the_coordinator(serve, tmp_path):
     """The coordinator MP serve starts has its server registered, and pins go through it (no --coordinator)."""
     coordinator = serve.state["endpoints"]["coordinator"]
     assert coordinator == f"http://127.0.0.1:{serve.coordinator}"
-    registered = httpx.get(f"{coordinator}/instances", timeout=10, trust_env=False).json()["instances"]
+    registered = http_client().get(f"{coordinator}/instances", timeout=10).json()["instances"]
     assert [(server["ip"], server["http_port"]) for server in registered] == [("127.0.0.1", serve.mp_http)]
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps([(7 * i) % 1000 + 3 for i in range(2 * 256)]))
@@ -298,7 +306,7 @@ class TestOneServeOnIPv6Loopback:
         serve, proxied = ipv6
         vllm = f"http://[::1]:{serve.port}"
         assert serve.state["endpoints"]["vllm"] == vllm
-        models = httpx.get(f"{vllm}/v1/models", timeout=10, trust_env=False).json()["data"]
+        models = http_client().get(f"{vllm}/v1/models", timeout=10).json()["data"]
         assert [model["id"] for model in models] == [serve.state["model"]]
         assert "waiting for vLLM, LMCache's scheduler API, LMCache's worker 0 API" in serve.stderr.read_text()
         assert serve.kvctl("health").code == 0
@@ -309,12 +317,10 @@ class TestOneServeOnIPv6Loopback:
         serve, _ = ipv6
         tokenize = f"{serve.state['endpoints']['vllm']}/tokenize"
         tokenizer = LocalTokenizer(tiny_model)
-        served = httpx.post(tokenize, json={"model": serve.state["model"], "prompt": PROMPT}, timeout=30,
-                            trust_env=False).json()
+        served = http_client().post(tokenize, json={"model": serve.state["model"], "prompt": PROMPT}, timeout=30).json()
         assert served["tokens"] == tokenizer.encode_prompt(PROMPT)
         assert served["tokens"][0] == tokenizer.tokenizer.bos_token_id
-        chat = httpx.post(tokenize, json={"model": serve.state["model"], "messages": CHAT}, timeout=30,
-                          trust_env=False).json()
+        chat = http_client().post(tokenize, json={"model": serve.state["model"], "messages": CHAT}, timeout=30).json()
         assert chat["tokens"] == tokenizer.encode_chat(CHAT)
         assert json.dumps(chat["tokens"]) != json.dumps(served["tokens"])
 

@@ -10,12 +10,11 @@ vLLM start, ~45 CPU-s, for both):
 
 import json
 
-import httpx
 import pytest
 import yaml
 
 from tests.e2e.test_serve import Serve, prompt_file
-from tests.helpers import run_kvctl, wait_until
+from tests.helpers import http_client, run_kvctl, wait_until
 
 CHUNK = 256
 PREFIX = [100 + i % 900 for i in range(2 * CHUNK)]
@@ -46,7 +45,7 @@ def served(tmp_path_factory, tiny_model):
 
 def complete(serve, prompt):
     body = {"model": serve.state["model"], "prompt": prompt, "max_tokens": 1}
-    answer = httpx.post(f"{serve.state['endpoints']['vllm']}/v1/completions", json=body, timeout=120)
+    answer = http_client().post(f"{serve.state['endpoints']['vllm']}/v1/completions", json=body, timeout=120)
     assert answer.status_code == 200, answer.text
 
 

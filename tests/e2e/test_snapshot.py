@@ -7,11 +7,10 @@ counts retrieve hits for it."""
 import json
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.e2e.test_serve import Serve, prompt_file
-from tests.helpers import wait_until
+from tests.helpers import http_client, wait_until
 
 MAX_TOKENS = 12
 
@@ -19,7 +18,7 @@ MAX_TOKENS = 12
 def greedy(serve: Serve, prompt: str) -> list[int]:
     body = {"model": serve.state["model"], "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
             "logprobs": 1}
-    answer = httpx.post(f"{serve.state['endpoints']['vllm']}/v1/completions", json=body, timeout=300)
+    answer = http_client().post(f"{serve.state['endpoints']['vllm']}/v1/completions", json=body, timeout=300)
     assert answer.status_code == 200, answer.text
     return answer.json()["choices"][0]["logprobs"]["tokens"]
 

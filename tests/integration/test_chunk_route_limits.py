@@ -14,7 +14,7 @@ from kvctl_plugins.wire import FRAME_LENGTH, FRAMES_TYPE, NEXT_HEADER, PREFIX, r
 from kvctl.clients.internal_api import InternalAPIClient
 from kvctl.core.errors import ServerError
 from kvctl.core.lmcache.keys import KeyRecipe, inprocess_keys
-from tests.helpers import http_json, run_kvctl, standalone_engine, wait_until
+from tests.helpers import http_client, http_json, run_kvctl, standalone_engine, wait_until
 
 CHUNK = 256
 CHUNK_BYTES = 2 * 2 * CHUNK * 64 * 2  # kv, layers, tokens, heads x head size, float16
@@ -28,7 +28,7 @@ def engine(tmp_path_factory):
 
 
 def serving(url):
-    return httpx.get(f"{url}{PREFIX}/info", timeout=10).status_code == 200
+    return http_client().get(f"{url}{PREFIX}/info", timeout=10).status_code == 200
 
 
 def stored(url, start, chunks):
@@ -42,8 +42,8 @@ def stored(url, start, chunks):
 
 
 def write(url, body: bytes, **headers):
-    return httpx.post(f"{url}{PREFIX}/chunks/write", content=body, headers={"Content-Type": FRAMES_TYPE, **headers},
-                      timeout=30)
+    return http_client().post(f"{url}{PREFIX}/chunks/write", content=body,
+                              headers={"Content-Type": FRAMES_TYPE, **headers}, timeout=30)
 
 
 def held_open(url):

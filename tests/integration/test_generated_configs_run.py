@@ -3,14 +3,13 @@
 import json
 import sys
 
-import httpx
 import psutil
 import pytest
 import yaml
 
 from kvctl.core.config.init import mp_server_argv
 from kvctl.core.lmcache.config import parse_env_file
-from tests.helpers import free_port, http_json, run_kvctl, start_process, stop_process, wait_until
+from tests.helpers import free_port, http_client, http_json, run_kvctl, start_process, stop_process, wait_until
 
 CHUNK = 256
 
@@ -88,6 +87,6 @@ def test_mp_config_runs_the_lmcache_server_with_fs_and_redis(tmp_path, redis_ser
         assert eviction["eviction_policy"] == "LRU"
         addresses = listening_addresses(proc.pid)
         assert ("127.0.0.1", http_port) in addresses and ("127.0.0.1", port) in addresses
-        assert httpx.get(f"{url}/cache/objects", params={"tier": "l2"}, timeout=10).status_code == 503
+        assert http_client().get(f"{url}/cache/objects", params={"tier": "l2"}, timeout=10).status_code == 503
     finally:
         stop_process(proc)

@@ -5,10 +5,9 @@ exported."""
 
 import json
 
-import httpx
 import pytest
 
-from tests.helpers import http_json, run_kvctl, standalone_engine, wait_until
+from tests.helpers import http_client, http_json, run_kvctl, standalone_engine, wait_until
 
 CHUNK = 256
 COUNTERS = ("lookup", "retrieve", "store", "evictions", "remote")
@@ -38,7 +37,7 @@ def test_stats_count_a_store_and_a_retrieve_at_once(tmp_path):
 
         def exported():
             samples = {line.split("{")[0]: float(line.rsplit(" ", 1)[1])
-                       for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+                       for line in http_client().get(f"{url}/metrics", timeout=10).text.splitlines()
                        if line.startswith(("lmcache:num_stored_tokens_total", "lmcache:num_hit_tokens_total"))}
             return samples == {"lmcache:num_stored_tokens_total": now["store"]["tokens"],
                                "lmcache:num_hit_tokens_total": now["retrieve"]["hit_tokens"]}

@@ -17,7 +17,6 @@ import sys
 import tarfile
 from pathlib import Path
 
-import httpx
 import pytest
 import yaml
 from kvctl_plugins.wire import frame_header, read_frames
@@ -29,7 +28,7 @@ from kvctl.core.instance.opening import Selector, open_instance
 from kvctl.core.lmcache.keys import MPKeyRecipe, mp_object_keys
 from kvctl.core.serve.launch import MP_ROUTES_ARGV
 from tests.conftest import RedisStarter
-from tests.helpers import STACK_ENV, free_port, run_cli, start_process, stop_process, wait_until
+from tests.helpers import STACK_ENV, free_port, http_client, run_cli, start_process, stop_process, wait_until
 from tests.integration.test_mp_l1_lookup import CHUNK, CHUNK_BYTES, MODEL, tokens, write_tokens
 
 HOLD_SCRIPT = Path(__file__).parent / "scripts" / "mp_hold.py"
@@ -252,11 +251,11 @@ def test_the_write_route_checks_every_frame_before_it_writes_any(nodes, snapshot
                 client.write_chunks(payload)
             assert message in refused.value.message, name
         url = f"{b.http}/kvctl/v1/chunks/write"
-        answer = httpx.post(url, params={"tiers": "l2"}, content=good,
+        answer = http_client().post(url, params={"tiers": "l2"}, content=good,
                             headers={"Content-Type": "application/octet-stream"})
         assert answer.status_code == 400 and "L1 (cpu) only" in answer.json()["message"]
-        assert httpx.post(url, json={"keys": []}).status_code == 415
-        assert httpx.post(f"{b.http}/kvctl/v1/chunks/read", json={"keys": ["nope"]}).status_code == 400
+        assert http_client().post(url, json={"keys": []}).status_code == 415
+        assert http_client().post(f"{b.http}/kvctl/v1/chunks/read", json={"keys": ["nope"]}).status_code == 400
         assert b.l1()["total_object_count"] == 0
         assert client.write_chunks(good) == {"written": {"cpu": 1}, "already": {"cpu": 0}, "dropped": {"cpu": 0}}
         again, _ = client.read_chunks([key])

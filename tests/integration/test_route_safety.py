@@ -5,13 +5,12 @@ import socket
 import threading
 import time
 
-import httpx
 import pytest
 
 from kvctl.clients.mp_server import MPServerClient
 from kvctl.core.errors import RejectedError
 from kvctl.core.lmcache.keys import disk_file_name
-from tests.helpers import http_json, wait_until
+from tests.helpers import http_client, http_json, wait_until
 from tests.integration.test_mp_l1_lookup import server  # noqa: F401 - the MP server fixture
 from tests.integration.test_plugin_routes import CHUNK, CHUNK_BYTES, CPU_GB, keys_of, running_engine, store, tokens
 
@@ -40,7 +39,8 @@ def in_engine(engine, script: str) -> str:
     """Run Python inside the engine through LMCache's stock /run_script route."""
     prelude = ("e = app.state.lmcache_adapter.lmcache_engine\n"
                "cpu = e.storage_manager.storage_backends['LocalCPUBackend']\n")
-    response = httpx.post(f"{engine['url']}/run_script", files={"script": ("s.py", prelude + script)}, timeout=30)
+    response = http_client().post(f"{engine['url']}/run_script", files={"script": ("s.py", prelude + script)},
+                                  timeout=30)
     assert response.status_code == 200, response.text
     return response.text
 
@@ -195,7 +195,7 @@ ENGINE_HOSTILE = {**HOSTILE, **INPROCESS_HOSTILE}
 
 
 def assert_rejected(url, method, path, arguments, status):
-    response = httpx.request(method, url + path, timeout=60, **arguments)
+    response = http_client().request(method, url + path, timeout=60, **arguments)
     assert response.status_code == status, response.text[:500]
     assert set(response.json()) == {"error", "message"}
 
@@ -227,9 +227,9 @@ def test_a_declared_oversized_body_is_refused_before_it_is_read(engine):
 @pytest.mark.slow
 def test_loopback_names_and_a_long_prompt_are_accepted(engine):
     for host in ("localhost", "localhost:1234", "127.0.0.1:80", "[::1]:7000", "[::1]"):
-        assert httpx.get(f"{engine['url']}/kvctl/v1/info", headers={"Host": host}).status_code == 200
+        assert http_client().get(f"{engine['url']}/kvctl/v1/info", headers={"Host": host}).status_code == 200
     prompt = list(range(128 * 1024))
-    response = httpx.post(f"{engine['url']}{LOOKUP}", json={"tokens": prompt}, timeout=60)
+    response = http_client().post(f"{engine['url']}{LOOKUP}", json={"tokens": prompt}, timeout=60)
     assert response.status_code == 200 and len(response.json()["chunks"]) == len(prompt) // CHUNK
 
 
@@ -248,7 +248,8 @@ def test_engine_work_leaves_the_event_loop_free(engine):
     answers = {}
 
     def slow_lookup():
-        answers["lookup"] = httpx.post(f"{engine['url']}{LOOKUP}", json={"tokens": tokens(600_000, 1)}, timeout=30)
+        answers["lookup"] = http_client().post(f"{engine['url']}{LOOKUP}", json={"tokens": tokens(600_000, 1)},
+                                               timeout=30)
 
     engine["redis"].client_pause(3000)
     worker = threading.Thread(target=slow_lookup)

@@ -7,7 +7,6 @@ import json
 import threading
 from http.server import ThreadingHTTPServer
 
-import httpx
 import pytest
 
 from kvctl.core.config.init import ConfigRequest, build_config
@@ -15,6 +14,7 @@ from kvctl.core.lmcache.config import parse_env_file
 from tests.helpers import (
     Answers200,
     free_port,
+    http_client,
     init_engine,
     proxy_answering_200,
     run_kvctl,
@@ -35,9 +35,10 @@ def test_routes_answer_only_the_bearer_of_the_token(tmp_path):
     token = "s3cret-token-for-kvctl-routes"
     with init_engine(tmp_path, "--tier", "cpu:0.05", env={"KVCTL_ROUTES_TOKEN": token}) as engine:
         url = engine.url
-        assert httpx.get(f"{url}/kvctl/v1/info").status_code == 401
-        assert httpx.get(f"{url}/kvctl/v1/info", headers={"Authorization": "Bearer wrong"}).status_code == 401
-        assert httpx.get(f"{url}/kvctl/v1/info", headers={"Authorization": f"Bearer {token}"}).status_code == 200
+        assert http_client().get(f"{url}/kvctl/v1/info").status_code == 401
+        assert http_client().get(f"{url}/kvctl/v1/info", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        authorized = {"Authorization": f"Bearer {token}"}
+        assert http_client().get(f"{url}/kvctl/v1/info", headers=authorized).status_code == 200
         refused = engine.kvctl("ls", env={"KVCTL_ROUTES_TOKEN": ""})
         assert refused.code == 4 and "KVCTL_ROUTES_TOKEN" in refused.stderr.split("hint:")[1]
         listed = engine.kvctl("ls", env={"KVCTL_ROUTES_TOKEN": token})

@@ -20,6 +20,7 @@ from kvctl.core.serve.launch import MP_ROUTES_ARGV
 from tests.helpers import (
     Answers200,
     free_port,
+    http_client,
     http_json,
     run_cli,
     run_kvctl,
@@ -56,10 +57,11 @@ def engine(tmp_path_factory):
 def test_lmcache_routes_refuse_a_rebound_host_on_loopback(engine):
     """LMCache's own routes (/env shows the environment) keep the Host check kvctl's routes have."""
     for method, path in (("GET", "/env"), ("GET", "/conf"), ("GET", "/backends"), ("POST", "/metrics/reset")):
-        refused = httpx.request(method, engine + path, headers=REBOUND, timeout=10)
+        refused = http_client().request(method, engine + path, headers=REBOUND, timeout=10)
         assert refused.status_code == 403, (path, refused.text[:300])
         assert refused.json()["error"] == "forbidden" and "loopback" in refused.json()["message"]
-        assert httpx.request(method, engine + path, headers={"Host": "localhost"}, timeout=10).status_code == 200
+        allowed = http_client().request(method, engine + path, headers={"Host": "localhost"}, timeout=10)
+        assert allowed.status_code == 200
 
 
 def test_the_routes_send_no_cors_headers_and_refuse_multipart_bodies(engine):
@@ -68,12 +70,12 @@ def test_the_routes_send_no_cors_headers_and_refuse_multipart_bodies(engine):
     origin = {"Origin": "http://attacker.example"}
     preflight = httpx.options(f"{engine}/kvctl/v1/lookup", timeout=10, headers={
         **origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"})
-    answered = httpx.get(f"{engine}/kvctl/v1/info", headers=origin, timeout=10)
+    answered = http_client().get(f"{engine}/kvctl/v1/info", headers=origin, timeout=10)
     assert answered.status_code == 200
     for response in (preflight, answered):
         assert not [name for name in response.headers if name.lower().startswith("access-control-")], \
             dict(response.headers)
-    form = httpx.post(f"{engine}/kvctl/v1/lookup", files={"tokens": ("t.json", json.dumps({"tokens": [1]}))},
+    form = http_client().post(f"{engine}/kvctl/v1/lookup", files={"tokens": ("t.json", json.dumps({"tokens": [1]}))},
                       timeout=10)
     assert form.status_code == 415 and form.json()["error"] == "unsupported_media_type"
     assert "multipart/form-data" in form.json()["message"]
@@ -151,7 +153,7 @@ def test_the_routes_token_never_goes_to_a_coordinator(tmp_path):
                             *MP_ROUTES_ARGV], log, {"KVCTL_ROUTES_TOKEN": TOKEN})
     try:
         wait_until(lambda: http_json("GET", f"{http}/healthcheck"), 120, "lmcache server", server, log)
-        assert httpx.get(f"{http}/kvctl/v1/info", timeout=10).status_code == 401  # guarded by the token
+        assert http_client().get(f"{http}/kvctl/v1/info", timeout=10).status_code == 401  # guarded by the token
         prompt = tmp_path / "prompt.json"
         prompt.write_text(json.dumps(list(range(3, 3 + 2 * MP_CHUNK))))
         flags = ("--model", MP_MODEL, "--coordinator", f"http://127.0.0.1:{coordinator.server_port}",

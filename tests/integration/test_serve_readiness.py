@@ -15,7 +15,7 @@ import pytest
 
 from kvctl.core.serve.launch import Component, LaunchPlan, build_plan
 from kvctl.core.serve.supervisor import ChildFailed, Supervisor
-from tests.helpers import KVCTL, REPO, free_port, proxy_answering_200, wait_until
+from tests.helpers import KVCTL, REPO, free_port, http_client, proxy_answering_200, wait_until
 
 # A child process that answers 200 "ok" to every request and prints each request line.
 ANSWERS_200 = f"import sys; sys.path.insert(0, {str(REPO)!r}); from tests.helpers import answer_200_forever; " \
@@ -128,7 +128,6 @@ def test_inherited_lmcache_variables_never_reach_the_children_unless_kept(tmp_pa
 def test_the_mp_server_registers_with_its_coordinator_past_an_operators_proxy(tmp_path, monkeypatch):
     """The MP server reaches the coordinator through httpx, which honours HTTP_PROXY: serve's children get
     the loopback names in NO_PROXY, so registration reaches the coordinator, not the proxy."""
-    import httpx
 
     from tests.helpers import start_process, stop_process
 
@@ -147,7 +146,7 @@ def test_the_mp_server_registers_with_its_coordinator_past_an_operators_proxy(tm
             coordinator = f"http://127.0.0.1:{coordinator_port}"
 
             def registered():
-                return httpx.get(f"{coordinator}/instances", timeout=10, trust_env=False).json()["instances"]
+                return http_client().get(f"{coordinator}/instances", timeout=10).json()["instances"]
 
             (server,) = wait_until(registered, 90, "the MP server registered", started[-1],
                                    tmp_path / "lmcache-server.log")

@@ -7,7 +7,6 @@ import os
 import socket
 from types import SimpleNamespace
 
-import httpx
 import pytest
 from kvctl_plugins.wire import frame_header, read_frames
 
@@ -16,7 +15,7 @@ from kvctl.core.errors import RejectedError
 from kvctl.core.instance.opening import Selector, open_instance
 from kvctl.core.instance.protocol import StoredChunk
 from kvctl.core.lmcache.keys import KeyRecipe, disk_file_name, inprocess_keys
-from tests.helpers import http_json, standalone_engine, wait_until
+from tests.helpers import http_client, http_json, standalone_engine, wait_until
 
 CHUNK = 256
 CHUNK_BYTES = 2 * 2 * CHUNK * 64 * 2  # kv, layers, tokens, heads x head size, float16
@@ -193,17 +192,17 @@ def test_a_bad_body_is_refused_whole_and_writes_nothing(source, target):
 @pytest.mark.slow
 def test_the_chunk_routes_keep_the_request_checks(target):
     url = f"{target.url}/kvctl/v1/chunks"
-    assert httpx.post(f"{url}/write", content=b"x", headers={"Content-Type": "text/plain"}).status_code == 415
-    assert httpx.post(f"{url}/write", json={"keys": []}).status_code == 415  # JSON is not frames
-    assert httpx.post(f"{url}/read", content=b"{}", headers={"Content-Type": "application/octet-stream"}
+    assert http_client().post(f"{url}/write", content=b"x", headers={"Content-Type": "text/plain"}).status_code == 415
+    assert http_client().post(f"{url}/write", json={"keys": []}).status_code == 415  # JSON is not frames
+    assert http_client().post(f"{url}/read", content=b"{}", headers={"Content-Type": "application/octet-stream"}
                       ).status_code == 415
-    assert httpx.post(f"{url}/write", content=b"x", headers={"Content-Type": "application/octet-stream",
+    assert http_client().post(f"{url}/write", content=b"x", headers={"Content-Type": "application/octet-stream",
                                                                "Host": "evil.example"}).status_code == 403
     with socket.create_connection(("127.0.0.1", int(target.url.rsplit(":", 1)[1])), timeout=10) as connection:
         connection.sendall(b"POST /kvctl/v1/chunks/write HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                            b"Content-Type: application/octet-stream\r\nContent-Length: 300000000\r\n\r\n")
         assert connection.recv(4096).startswith(b"HTTP/1.1 413")  # over 256 MiB and a margin: refused unread
-    refused = httpx.post(f"{url}/read", json={"keys": "tiny"})
+    refused = http_client().post(f"{url}/read", json={"keys": "tiny"})
     assert refused.status_code == 400 and json.loads(refused.text)["error"] == "bad_request"
 
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.helpers import run_kvctl, standalone_engine
+from tests.helpers import http_client, run_kvctl, standalone_engine
 
 pytestmark = pytest.mark.slow
 CHUNK = 256
@@ -19,9 +19,8 @@ def test_a_copy_lands_byte_equal_and_hits_on_the_target(tmp_path):
     tokens.write_text(json.dumps(list(range(3 * CHUNK))))
     with standalone_engine(tmp_path / "a", "--tier", "cpu:0.05") as source, \
             standalone_engine(tmp_path / "b", "--tier", "cpu:0.05") as target:
-        import httpx
 
-        assert httpx.post(f"{source}/cache/store?tokens_mock=0,{3 * CHUNK}", timeout=30).status_code == 200
+        assert http_client().post(f"{source}/cache/store?tokens_mock=0,{3 * CHUNK}", timeout=30).status_code == 200
         before = json.loads(run_kvctl("lookup", "--tokens-file", tokens, "--instance", target, "--format",
                                       "json").stdout)
         assert before["hit_tokens"]["total"] == 0
@@ -55,9 +54,8 @@ def test_a_copy_into_an_engine_that_makes_other_keys_is_refused_with_nothing_wri
     tokens.write_text(json.dumps(list(range(2 * CHUNK))))
     with standalone_engine(tmp_path / "a", "--tier", "cpu:0.05") as source, \
             standalone_engine(tmp_path / "b", "--tier", "cpu:0.05", "--hash-algorithm", "builtin") as target:
-        import httpx
 
-        assert httpx.post(f"{source}/cache/store?tokens_mock=0,{2 * CHUNK}", timeout=30).status_code == 200
+        assert http_client().post(f"{source}/cache/store?tokens_mock=0,{2 * CHUNK}", timeout=30).status_code == 200
         refused = run_kvctl("snapshot", "copy", "--from", source, "--to", target, "--tokens-file", tokens)
         assert refused.code == 2 and "hash" in refused.stderr
         listed = json.loads(run_kvctl("ls", "--instance", target, "--format", "json").stdout)

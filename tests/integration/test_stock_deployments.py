@@ -10,13 +10,13 @@ import json
 import subprocess
 import sys
 
-import httpx
 import pytest
 import yaml
 
 from kvctl.core.config.init import mp_server_argv
 from tests.helpers import (
     free_port,
+    http_client,
     http_json,
     init_engine,
     run_kvctl,
@@ -52,7 +52,7 @@ def kvctl(target, *args, **options):
 
 
 def test_the_stock_engine_really_has_no_kvctl_routes(stock_engine):
-    assert httpx.get(f"{stock_engine['url']}/kvctl/v1/info").status_code == 404
+    assert http_client().get(f"{stock_engine['url']}/kvctl/v1/info").status_code == 404
 
 
 def test_stats_come_from_lmcache_s_own_metrics_and_conf(stock_engine):
@@ -181,7 +181,7 @@ def stock_mp_server(tmp_path_factory):
 
 
 def test_a_stock_mp_server_is_told_apart_by_lmcache_s_own_status(stock_mp_server):
-    assert httpx.get(f"{stock_mp_server['url']}/kvctl/v1/info").status_code == 404
+    assert http_client().get(f"{stock_mp_server['url']}/kvctl/v1/info").status_code == 404
     for args, key in ((("quota", "ls"), "quotas"), (("reconfigure", "status"), "adapters")):
         result = kvctl(stock_mp_server, *args)
         assert result.code == 0, (args, result.stderr)
