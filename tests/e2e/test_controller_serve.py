@@ -45,7 +45,6 @@ def test_a_warm_prompt_is_found_through_the_controller_and_copied_verified(tmp_p
         chunks = len(answer(node_a, "lookup", "--prompt-file", prompt)["chunks"])
         wait_until(lambda: answer(node_a, "lookup", "--prompt-file", prompt)["hit_tokens"]["total"] == chunks * CHUNK,
                    60, "node A to cache the prompt")
-        monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
         node_b = Serve(tmp_path / "node-b", model, "--controller-url", f"127.0.0.1:{controller_port}", "--name", "b")
         wait_synced(tmp_path / "node-b", "b")
 

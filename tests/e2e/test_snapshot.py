@@ -52,7 +52,6 @@ def test_a_snapshot_moves_a_warm_prompt_to_a_node_that_never_saw_it(tmp_path, ti
             node_a.stop()
     node_a.assert_nothing_left()
 
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # what serve gives its own tiny model, here named by path
     node_b = Serve(tmp_path / "node-b", model)  # the same --model value: a model name is part of every key
     try:
         assert node_b.state["config_dir"] != node_a.state["config_dir"]
@@ -94,7 +93,6 @@ def test_an_mp_snapshot_moves_a_warm_prompt_between_two_mp_nodes(tmp_path, tiny_
             node_a.stop()
     node_a.assert_nothing_left()
 
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     node_b = Serve(tmp_path / "node-b", model, "--mode", "mp")
     try:
         assert answer(node_b, "lookup", "--prompt-file", prompt)["hit_tokens"]["total"] == 0

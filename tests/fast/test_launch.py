@@ -171,3 +171,15 @@ def test_the_tiny_model_is_served_eagerly_unless_told(tmp_path, model, extra, ea
     argv = component(plan, "vllm").argv
     assert ("--enforce-eager" in argv) is eager
     assert argv.count("--enforce-eager") <= 1
+    assert ("--kv-cache-memory-bytes" in argv) is (model != "org/m")  # the tiny model's KV cache is small
+
+
+def test_the_users_own_kv_cache_size_wins_for_the_tiny_model(tmp_path):
+    from kvctl.core.serve.tiny_model import MARKER
+
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / MARKER).write_text("")
+    plan = build_plan(model=str(tmp_path / "tiny"), mode="mp", tiers=[parse_tier("cpu:1")], config=None, write=False,
+                      extra_vllm_args=["--kv-cache-memory-bytes=1073741824"])
+    argv = component(plan, "vllm").argv
+    assert [arg for arg in argv if arg.startswith("--kv-cache-memory-bytes")] == ["--kv-cache-memory-bytes=1073741824"]

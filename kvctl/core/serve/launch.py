@@ -202,11 +202,19 @@ def check_installed() -> None:
 COMPILE_FLAGS = ("--enforce-eager", "--no-enforce-eager", "-O", "--compilation-config", "-cc")
 
 
-def eager_unless_told(vllm_args: list[str]) -> list[str]:
-    """The tiny model runs eagerly: compiling two random layers costs a start 15 s or more and saves nothing.
-    Any compilation flag of the user's own wins."""
-    told = any(arg.split("=", 1)[0] in COMPILE_FLAGS or arg.startswith("-O") for arg in vllm_args)
-    return list(vllm_args) if told else ["--enforce-eager", *vllm_args]
+TINY_KV_CACHE_BYTES = 256 * 2**20  # the tiny model's KV is 512 bytes a token: half a million tokens
+
+
+def tiny_model_args(vllm_args: list[str]) -> list[str]:
+    """The tiny model runs eagerly (compiling two random layers costs a start 15 s or more and saves nothing)
+    on a 256 MiB KV cache: vLLM CPU zeroes its whole KV cache at start, ~3 s per GiB here, and would take
+    GiBs. The user's own compilation or KV cache flags win (and VLLM_CPU_KVCACHE_SPACE, which vLLM puts
+    above the flag)."""
+    flags = {arg.split("=", 1)[0] for arg in vllm_args}
+    eager = [] if flags & set(COMPILE_FLAGS) or any(arg.startswith("-O") for arg in vllm_args) else [
+        "--enforce-eager"]
+    kv_cache = [] if "--kv-cache-memory-bytes" in flags else ["--kv-cache-memory-bytes", str(TINY_KV_CACHE_BYTES)]
+    return [*eager, *kv_cache, *vllm_args]
 
 
 def build_plan(*, name: str = "default", model: str | None, mode: str = "inprocess", tiers: list[TierSpec],
@@ -304,16 +312,14 @@ def build_plan(*, name: str = "default", model: str | None, mode: str = "inproce
                          for url, role in zip(endpoints["internal_api"], roles)]
     if generated is not None and write:
         write_files(replace(generated, lmcache=lmcache_values).render(config.absolute()), config, force=True)
-    vllm_env = dict(env)
     if model == str(models_dir() / "tiny") or is_tiny_model(model):  # the embedded default, or one by path
-        vllm_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # the tiny model needs little KV space
-        extra_vllm_args = eager_unless_told(extra_vllm_args)
+        extra_vllm_args = tiny_model_args(extra_vllm_args)
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host.strip("[]"),
             "--port", str(port), "--kv-transfer-config", json.dumps(kv_transfer), *extra_vllm_args]
     served = flag_value(extra_vllm_args, "--served-model-name") or model
     ready = [Readiness("models", f"http://{url_host(reach_host(host))}:{port}/v1/models", "vLLM", served),
              *lmcache_ready]
-    components.append(Component("vllm", argv, vllm_env, str(logs / "vllm.log"), ready))
+    components.append(Component("vllm", argv, dict(env), str(logs / "vllm.log"), ready))
     inherited = sorted(name for name in os.environ if name.startswith("LMCACHE_") and name not in QUIET_ENV)
     return LaunchPlan(name, mode, model, str(config.absolute()), str(state_file or default_state_file()),
                       components, endpoints, ports, [] if keep_lmcache_env else inherited)
