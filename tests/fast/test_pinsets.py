@@ -215,6 +215,32 @@ def test_a_coordinators_set_is_kept_in_a_ledger_and_releases_only_its_own_pins(t
     assert actions(pinsets.apply(path, coordinator, dry_run=True)) == {"b.json": "pin"}  # released for good
 
 
+class RacedCoordinator(CoordinatorMemoryInstance):
+    """A coordinator another kvctl applies the same set to right after this one has read its pins."""
+
+    def __init__(self, *args, other_apply=None) -> None:
+        super().__init__(*args)
+        self.other_apply = other_apply
+
+    def pins(self, model=None):
+        seen = super().pins(model)
+        if self.other_apply:
+            self.other_apply, run = None, self.other_apply
+            run()
+        return seen
+
+
+def test_a_pin_another_apply_makes_during_the_plan_is_not_taken_for_lost(tmp_path, monkeypatch):
+    """Bug: the plan read the coordinator's pins, then the ledger; a pin another kvctl made and recorded in
+    between looked recorded but not held ("lost"), and was pinned a second time (one release left it pinned)."""
+    monkeypatch.setenv("KVCTL_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_set(tmp_path, "name: hot\npins:\n  - tokens_file: a.json\n")
+    coordinator = RacedCoordinator("mp", sample_stores(), other_apply=lambda: pinsets.apply(path, coordinator))
+    done = pinsets.apply(path, coordinator)
+    assert not done.errors and not done.of("pin")
+    assert coordinator.counts == {key: 1 for key in memory_keys(PROMPT, "llama")}
+
+
 def test_a_coordinators_set_takes_no_ttl_or_tiers(tmp_path, monkeypatch):
     monkeypatch.setenv("KVCTL_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(Unsupported) as raised:

@@ -620,8 +620,10 @@ class OfflineInstance(NoManagement):
                           hint=NEEDS_ENGINE_HINT)
 
     def pins(self, model: str | None = None) -> PinList:
-        raise Unsupported("a configuration directory has no pins: pins live in a running engine",
-                          hint=NEEDS_ENGINE_HINT)
+        raise _no_pins()
+
+    def pin_scope(self) -> str:
+        raise _no_pins()  # so a pin set keeps no ledger for a configuration either
 
     def prefetch(self, tokens: list[int]) -> dict[str, int]:
         raise Unsupported("prefetch loads chunks into a running engine's CPU tier", hint=NEEDS_ENGINE_HINT)
@@ -784,3 +786,7 @@ def _alive(pid: Any) -> bool:
     except PermissionError:
         return True  # someone else's process, alive
     return True
+
+
+def _no_pins() -> Unsupported:
+    return Unsupported("a configuration directory has no pins: pins live in a running engine", hint=NEEDS_ENGINE_HINT)

@@ -265,8 +265,10 @@ def _ledger_plan(pin_set: PinSet, instance, model: str | None) -> Application:
     coordinator still holds it (a lost pin is pinned again)."""
     from kvctl.core.pins.ledger import Ledger
 
-    pinned = {pin.key for pin in instance.pins(model).pins}  # first: where pins cannot live, this refuses
+    # The ledger before the coordinator's pins: a pin another kvctl makes in between is then one this plan
+    # has not seen recorded (its step is skipped under the lock), never one recorded and not held ("lost").
     ledger = Ledger(instance.pin_scope(), pin_set.name)
+    pinned = {pin.key for pin in instance.pins(model).pins}
     steps: list[Step] = []
     wanted: set[str] = set()
     for entry in pin_set.entries:
