@@ -1,15 +1,16 @@
 """Two `kvctl serve` nodes on vLLM CPU registered with LMCache's controller, which the first one starts:
 a prompt prewarmed on node A; `kvctl lookup --instance controller://…` names A with its hit tokens (no
 inventory anywhere); a verified live copy moves the prompt to B, whose greedy completion then equals A's
-and whose LMCache retrieves the copied tokens."""
+and whose LMCache retrieves the copied tokens. A snapshot file moves another prompt the same way: saved
+through A's engine, loaded through B's (its own configuration and disk directory, never asked the prompt;
+the same --model value, which is part of every key)."""
 
 import json
 import time
 
 import pytest
 
-from tests.e2e.test_serve import Serve, prompt_file
-from tests.e2e.test_snapshot import MAX_TOKENS, answer, greedy, retrieve_hit_tokens
+from tests.e2e.test_serve import MAX_TOKENS, Serve, answer, greedy, prompt_file, retrieve_hit_tokens
 from tests.helpers import free_port, run_kvctl, wait_until
 
 CHUNK = 256
@@ -30,8 +31,9 @@ def wait_synced(cache, name: str) -> None:
 
 
 @pytest.mark.slow
-def test_a_warm_prompt_is_found_through_the_controller_and_copied_verified(tmp_path, tiny_model, monkeypatch):
+def test_a_warm_prompt_is_found_through_the_controller_copied_verified_and_moved_by_snapshot(tmp_path, tiny_model):
     prompt = prompt_file(tmp_path)
+    snapped, snap = prompt_file(tmp_path, "json/__init__"), tmp_path / "warm.kvsnap"
     controller_port = free_port(span=4)
     controller = f"controller://127.0.0.1:{controller_port}"
     node_a = Serve(tmp_path / "node-a", "--controller", "--controller-port", str(controller_port), "--name", "a",
@@ -45,6 +47,12 @@ def test_a_warm_prompt_is_found_through_the_controller_and_copied_verified(tmp_p
         chunks = len(answer(node_a, "lookup", "--prompt-file", prompt)["chunks"])
         wait_until(lambda: answer(node_a, "lookup", "--prompt-file", prompt)["hit_tokens"]["total"] == chunks * CHUNK,
                    60, "node A to cache the prompt")
+        uncached_snapped = greedy(node_a, snapped.read_text())
+        snapped_chunks = len(answer(node_a, "lookup", "--prompt-file", snapped)["chunks"])
+        wait_until(lambda: answer(node_a, "lookup", "--prompt-file", snapped)["hit_tokens"]["total"]
+                   == snapped_chunks * CHUNK, 60, "node A to cache the prompt to snapshot")
+        saved = answer(node_a, "snapshot", "save", "--prompt-file", snapped, "-o", snap)
+        assert saved["chunks"] == snapped_chunks >= 2 and saved["missing"] == 0
         node_b = Serve(tmp_path / "node-b", model, "--controller-url", f"127.0.0.1:{controller_port}", "--name", "b")
         wait_synced(tmp_path / "node-b", "b")
 
@@ -77,6 +85,18 @@ def test_a_warm_prompt_is_found_through_the_controller_and_copied_verified(tmp_p
         hits_before = retrieve_hit_tokens(node_b)
         assert greedy(node_b, prompt.read_text()) == uncached
         wait_until(lambda: retrieve_hit_tokens(node_b) >= hits_before + chunks * CHUNK, 60, "B's retrieve hits")
+
+        assert node_b.state["config_dir"] != node_a.state["config_dir"]
+        assert answer(node_b, "lookup", "--prompt-file", snapped)["hit_tokens"]["total"] == 0
+        loaded = answer(node_b, "snapshot", "load", snap)
+        assert loaded["written"] == {"cpu": snapped_chunks}
+        assert loaded["prompts"][0]["cached"] == snapped_chunks
+        assert loaded["prompts"][0]["hit_tokens"] == snapped_chunks * CHUNK
+        assert answer(node_b, "lookup", "--prompt-file", snapped)["hit_tokens"]["total"] == snapped_chunks * CHUNK
+        hits_before = retrieve_hit_tokens(node_b)
+        assert greedy(node_b, snapped.read_text()) == uncached_snapped
+        wait_until(lambda: retrieve_hit_tokens(node_b) >= hits_before + snapped_chunks * CHUNK, 60,
+                   "B's retrieve hits of the snapshot")
         assert node_b.stop() == 0
         assert node_a.stop() == 0  # the controller it started is stopped last, with it
     finally:

@@ -1,7 +1,11 @@
 """`kvctl serve` on the embedded default, `kvctl prewarm` and `kvctl lookup` against it, restarts,
 nothing left running after a stop, a kill of kvctl, or the death of a child; readiness on IPv6 loopback
-that no proxy can fake, vLLM's own tokenization, a start that fails within seconds, and MP pins through the
-coordinator serve starts."""
+that no proxy can fake, a pin set applied once ready, vLLM's own tokenization, a start that fails within
+seconds, MP pins through the coordinator serve starts, and an MP snapshot that moves a warm prompt to a node
+that never saw it.
+
+A vLLM start costs ~30 CPU-s: each test here asks one serve as much as it can (tests that only read from a
+serve share it in a class), and a node is added only where a check needs another process."""
 
 import json
 import os
@@ -14,6 +18,7 @@ import socket
 import subprocess
 import sysconfig
 import time
+from pathlib import Path
 
 import pytest
 
@@ -85,6 +90,28 @@ class Serve:
     def assert_nothing_left(self, timeout=60):
         wait_until(lambda: not any(group_alive(pid) for pid in self.pids), timeout, "children gone")
         assert not self.state_file.exists() and not (self.state_file.parent / "default" / "state.json").exists()
+
+
+MAX_TOKENS = 12
+
+
+def greedy(serve: Serve, prompt: str) -> list[int]:
+    """The served model's greedy completion of a prompt, token by token."""
+    body = {"model": serve.state["model"], "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "logprobs": 1}
+    answer = http_client().post(f"{serve.state['endpoints']['vllm']}/v1/completions", json=body, timeout=300)
+    assert answer.status_code == 200, answer.text
+    return answer.json()["choices"][0]["logprobs"]["tokens"]
+
+
+def answer(serve: Serve, *args) -> dict:
+    result = serve.kvctl(*args, "--format", "json")
+    assert result.code == 0, result.stdout + result.stderr
+    return json.loads(result.stdout)
+
+
+def retrieve_hit_tokens(serve: Serve) -> int:
+    return answer(serve, "stats")["instances"][0]["lmcache"]["retrieve"]["hit_tokens"] or 0
 
 
 def prompt_file(tmp_path, module="csv"):
@@ -213,9 +240,14 @@ def read_available(leader: int) -> bytes:
 
 
 @pytest.mark.slow
-def test_serve_mp_prewarm_lookup(tmp_path, tiny_model):
+def test_serve_mp_prewarm_lookup_restart_and_snapshot_to_a_new_node(tmp_path, tiny_model):
+    """Prewarm and lookup on an MP serve; a restart gets the prompt back from its fs L2 tier; a snapshot of
+    another prompt, saved from the first serve's L1, moves to a node that never saw it (its own configuration
+    and disk directory, the same --model value, which is part of every key): written into that node's L1
+    through its server (whose vLLM registered the model's layout), then retrieved by its vLLM."""
     cache = tmp_path / "kvctl-cache"
     prompt = prompt_file(tmp_path, "json/__init__")
+    moved, snap = prompt_file(tmp_path), tmp_path / "warm-mp.kvsnap"
     serve = Serve(cache, "--mode", "mp", model=tiny_model)
     try:
         assert [process["name"] for process in serve.state["processes"]] == ["lmcache-coordinator", "lmcache-server",
@@ -235,6 +267,13 @@ def test_serve_mp_prewarm_lookup(tmp_path, tiny_model):
         lmcache = json.loads(stats.stdout)["instances"][0]["lmcache"]
         assert lmcache["lookup"]["tokens"] >= entry["chunks"] * 256  # vLLM asked the server for its full chunks
         assert lmcache["tiers"][0]["tier"] == "cpu" and lmcache["tiers"][0]["chunks"] >= entry["chunks"]
+        uncached = greedy(serve, moved.read_text())  # the first request of this prompt: nothing was cached yet
+        chunks = len(answer(serve, "lookup", "--prompt-file", moved)["chunks"])
+        wait_until(lambda: answer(serve, "lookup", "--prompt-file", moved)["hit_tokens"]["cpu"] == chunks * 256,
+                   60, "the L1 to hold the prompt")
+        saved = answer(serve, "snapshot", "save", "--prompt-file", moved, "-o", snap)
+        assert saved["chunks"] >= chunks >= 2 and saved["missing"] == 0
+        assert answer(serve, "snapshot", "ls", snap)["source"]["key_format"] == "mp-object"
         assert serve.stop(signal.SIGINT) == 0  # Ctrl-C is how a server is stopped: not a failure
         assert "stopped" in serve.stderr.read_text()
     finally:
@@ -258,6 +297,22 @@ def test_serve_mp_prewarm_lookup(tmp_path, tiny_model):
     stopping = [line for line in again.stderr.read_text().splitlines() if line.startswith("stopping ")]
     assert stopping == ["stopping vllm", "stopping lmcache-server", "stopping lmcache-coordinator"]
     again.assert_nothing_left()
+
+    node_b = Serve(tmp_path / "node-b", again.state["model"], "--mode", "mp")
+    try:
+        assert answer(node_b, "lookup", "--prompt-file", moved)["hit_tokens"]["total"] == 0
+        loaded = answer(node_b, "snapshot", "load", snap)
+        assert loaded["written"] == {"cpu": saved["chunks"]} and loaded["prompts"][0]["cached"] == chunks
+        assert answer(node_b, "lookup", "--prompt-file", moved)["hit_tokens"]["cpu"] == chunks * 256
+        assert greedy(node_b, moved.read_text()) == uncached
+        server_log = {process["name"]: process["log"] for process in node_b.state["processes"]}["lmcache-server"]
+        wait_until(lambda: f"Retrieved {chunks * 256} tokens" in Path(server_log).read_text(), 60,
+                   "node B's vLLM to retrieve the loaded chunks")
+        assert node_b.stop() == 0
+    finally:
+        if node_b.proc.poll() is None:
+            node_b.stop()
+    node_b.assert_nothing_left()
 
 
 def assert_pins_go_through_the_coordinator(serve, tmp_path):
@@ -286,9 +341,14 @@ CHAT = [{"role": "system", "content": "You answer in Python."}, {"role": "user",
 
 @pytest.fixture(scope="class")
 def ipv6(tmp_path_factory, tiny_model):
-    """One serve on IPv6 loopback, with a proxy that answers 200 to everything set in the environment."""
+    """One serve on IPv6 loopback with a pin set (`--pins`), a proxy that answers 200 to everything set in the
+    environment."""
+    directory = tmp_path_factory.mktemp("ipv6")
+    pins = directory / "pins.yaml"
+    pins.write_text(f"name: boot\npins:\n  - prompt_file: {prompt_file(directory).name}\n    ttl: 1h\n")
     with pytest.MonkeyPatch.context() as monkeypatch, proxy_answering_200(monkeypatch) as proxied:
-        serve = Serve(tmp_path_factory.mktemp("ipv6") / "kvctl-cache", "--host", "::1", model=tiny_model)
+        serve = Serve(directory / "kvctl-cache", "--host", "::1", "--pins", pins, model=tiny_model)
+        serve.pin_set = pins
         try:
             yield serve, proxied
         finally:
@@ -323,6 +383,24 @@ class TestOneServeOnIPv6Loopback:
         chat = http_client().post(tokenize, json={"model": serve.state["model"], "messages": CHAT}, timeout=30).json()
         assert chat["tokens"] == tokenizer.encode_chat(CHAT)
         assert json.dumps(chat["tokens"]) != json.dumps(served["tokens"])
+
+    def test_the_pin_set_is_prefilled_and_pinned_once_ready(self, ipv6):
+        """Once every part is ready, serve applies its pin set: the prompt prefilled through vLLM (nothing was
+        cached), then pinned whole under the set's id; applying the set again only refreshes that pin."""
+        serve, proxied = ipv6
+
+        def listed():
+            result = serve.kvctl("pins", "--format", "json")
+            return result.code == 0 and json.loads(result.stdout)["pins"]
+
+        (pin,) = wait_until(listed, 120, "the pin set applied")
+        assert pin["set"] == "boot" and pin["pin_id"].startswith("set-boot-") and pin["chunks"] >= 2
+        assert pin["pinned"] == {"cpu": pin["chunks"], "disk": pin["chunks"]}  # prefilled, then pinned whole
+        assert 3000 < pin["ttl_remaining_s"] <= 3600
+        wait_until(lambda: "pin set boot: 1 pin" in serve.stderr.read_text(), 30, "the pin set reported")
+        (step,) = answer(serve, "pin", "apply", serve.pin_set)["steps"]
+        assert (step["action"], step["pin_id"], step["prewarm"]) == ("refresh", pin["pin_id"], None)
+        assert proxied == []
 
     def test_serve_exits_with_the_log_when_a_child_dies(self, ipv6):
         serve, proxied = ipv6
