@@ -1,8 +1,8 @@
 """`kvctl serve` on the embedded default, `kvctl prewarm` and `kvctl lookup` against it, restarts,
 nothing left running after a stop, a kill of kvctl, or the death of a child; readiness on IPv6 loopback
-that no proxy can fake, a pin set applied once ready, vLLM's own tokenization, a start that fails within
-seconds, MP pins through the coordinator serve starts, and an MP snapshot that moves a warm prompt to a node
-that never saw it.
+that no proxy can fake, a pin set applied once ready, statistics through a real vLLM scheduler, vLLM's own
+tokenization, a start that fails within seconds, MP pins through the coordinator serve starts, and an MP
+snapshot that moves a warm prompt to a node that never saw it.
 
 A vLLM start costs ~30 CPU-s: each test here asks one serve as much as it can (tests that only read from a
 serve share it in a class), and a node is added only where a check needs another process."""
@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from kvctl.core.lmcache.tokens import LocalTokenizer
 from tests.helpers import (
@@ -341,29 +342,55 @@ CHAT = [{"role": "system", "content": "You answer in Python."}, {"role": "user",
 
 @pytest.fixture(scope="class")
 def ipv6(tmp_path_factory, tiny_model):
-    """One serve on IPv6 loopback with a pin set (`--pins`), a proxy that answers 200 to everything set in the
-    environment."""
+    """One serve on IPv6 loopback, with a proxy that answers 200 to everything set in the environment; a pin
+    set (`--pins`); a configuration that records chunk statistics (file_hash, into the directory yielded);
+    vLLM's own prefix cache off, so every repeat of a prefix goes to LMCache."""
     directory = tmp_path_factory.mktemp("ipv6")
-    pins = directory / "pins.yaml"
+    config, hashes, pins = directory / "cfg", directory / "chunk-hashes", directory / "pins.yaml"
+    made = run_kvctl("config", "init", "--out", config, "--tier", "cpu:0.1", "--tier", f"disk:{directory / 'disk'}:1")
+    assert made.code == 0, made.stderr
+    settings = yaml.safe_load((config / "lmcache.yaml").read_text())
+    settings.update(enable_chunk_statistics=True, chunk_statistics_auto_start_statistics=True,
+                    chunk_statistics_strategy="file_hash")
+    settings.setdefault("extra_config", {})["chunk_statistics_file_output_dir"] = str(hashes)
+    (config / "lmcache.yaml").write_text(yaml.safe_dump(settings))
     pins.write_text(f"name: boot\npins:\n  - prompt_file: {prompt_file(directory).name}\n    ttl: 1h\n")
     with pytest.MonkeyPatch.context() as monkeypatch, proxy_answering_200(monkeypatch) as proxied:
-        serve = Serve(directory / "kvctl-cache", "--host", "::1", "--pins", pins, model=tiny_model)
+        serve = Serve(directory / "kvctl-cache", "--host", "::1", "--config", config, "--pins", pins, "--",
+                      "--no-enable-prefix-caching", model=tiny_model)
         serve.pin_set = pins
         try:
-            yield serve, proxied
+            yield serve, proxied, hashes
         finally:
             if serve.proc.poll() is None:
                 serve.stop()
             serve.assert_nothing_left()
 
 
+def complete(serve, prompt):
+    """One token of a completion: the prompt's KV is what the request is for."""
+    body = {"model": serve.state["model"], "prompt": prompt, "max_tokens": 1}
+    answered = http_client().post(f"{serve.state['endpoints']['vllm']}/v1/completions", json=body, timeout=120)
+    assert answered.status_code == 200, answered.text
+
+
+def stats(serve):
+    return answer(serve, "stats")["instances"][0]
+
+
 @pytest.mark.slow
 class TestOneServeOnIPv6Loopback:
-    """Checks that only read from a running serve share one (a vLLM start costs ~30 CPU-s); the last
-    test ends it."""
+    """Checks that only read from a running serve (or add their own traffic) share one: a vLLM start costs
+    ~30 CPU-s. The last test ends it.
+
+    Statistics go through a real vLLM scheduler: LMCache's chunk statistics and doctor's retrieve check
+    (`chunk-stats top` counts both requests of a repeated prompt; doctor finds the connector retrieving what
+    the lookups found), and `kvctl stats` at once after a real client's traffic agrees with vLLM (#20 item
+    16: LMCache exports its counters to /metrics every 10 s while vLLM's move with each request, so stats
+    that read /metrics showed no LMCache lookups, retrieves or stores while vLLM counted LMCache's hits)."""
 
     def test_serve_on_ipv6_loopback_is_ready_when_vllm_is_not_when_a_proxy_says_so(self, ipv6):
-        serve, proxied = ipv6
+        serve, proxied, _ = ipv6
         vllm = f"http://[::1]:{serve.port}"
         assert serve.state["endpoints"]["vllm"] == vllm
         models = http_client().get(f"{vllm}/v1/models", timeout=10).json()["data"]
@@ -374,7 +401,7 @@ class TestOneServeOnIPv6Loopback:
 
     def test_token_ids_equal_vllm_tokenize(self, ipv6, tiny_model):
         """kvctl tokenizes prompts and chats exactly as the served vLLM does for the same request."""
-        serve, _ = ipv6
+        serve, _, _ = ipv6
         tokenize = f"{serve.state['endpoints']['vllm']}/tokenize"
         tokenizer = LocalTokenizer(tiny_model)
         served = http_client().post(tokenize, json={"model": serve.state["model"], "prompt": PROMPT}, timeout=30).json()
@@ -387,7 +414,7 @@ class TestOneServeOnIPv6Loopback:
     def test_the_pin_set_is_prefilled_and_pinned_once_ready(self, ipv6):
         """Once every part is ready, serve applies its pin set: the prompt prefilled through vLLM (nothing was
         cached), then pinned whole under the set's id; applying the set again only refreshes that pin."""
-        serve, proxied = ipv6
+        serve, proxied, _ = ipv6
 
         def listed():
             result = serve.kvctl("pins", "--format", "json")
@@ -402,8 +429,57 @@ class TestOneServeOnIPv6Loopback:
         assert (step["action"], step["pin_id"], step["prewarm"]) == ("refresh", pin["pin_id"], None)
         assert proxied == []
 
+    def test_a_repeated_prompt_is_the_hottest_and_doctor_sees_it_retrieved(self, ipv6, tmp_path):
+        serve, proxied, hashes = ipv6
+        prompt = prompt_file(tmp_path, "json/__init__")  # not the pin set's, which was prefilled once
+        for _ in range(2):
+            complete(serve, prompt.read_text())
+        wait_until(lambda: stats(serve)["lmcache"]["retrieve"]["hit_tokens"], 60, "LMCache's retrieve metrics")
+        lmcache = stats(serve)["lmcache"]
+        assert lmcache["lookup"]["hit_tokens"] >= 256 and lmcache["retrieve"]["hit_tokens"] >= 256
+
+        hot = answer(serve, "chunk-stats", "top")  # the directory is read from the engine
+        assert hot["directory"] == str(hashes) and hot["requests"] >= 2 and hot["skipped_lines"] == 0
+        found = answer(serve, "lookup", "--prompt-file", prompt)
+        assert hot["prompts"][0]["requests"] == 2 and hot["prompts"][0]["chunks"] >= len(found["chunks"]) >= 2
+        assert hot["chunks"][0]["requests"] == 2
+
+        doctor = serve.kvctl("doctor", "--format", "json")
+        findings = json.loads(doctor.stdout)["findings"]
+        assert not [finding for finding in findings if finding["check"] == "retrieve"], findings
+        assert doctor.code == 0, findings
+        assert proxied == []
+
+    def test_stats_right_after_traffic_count_what_vllm_counts(self, ipv6):
+        """What this test's requests added, read at once: the counters before it are its baseline. Prompts as
+        token ids, so the prefix is exactly two chunks."""
+        serve, _, _ = ipv6
+        prefix = [100 + i % 900 for i in range(2 * 256)]
+        start = stats(serve)
+
+        def added(report, *path):
+            now, before = report, start
+            for key in path:
+                now, before = now[key], before[key]
+            return now - (before or 0)
+
+        requests = 0
+        for _round in range(2):  # twice: LMCache's figures must move with the traffic, not with an export
+            for _ in range(2):
+                requests += 1
+                complete(serve, prefix + [1000 + requests] * 8)
+            report = stats(serve)
+            lmcache, hits = report["lmcache"], added(report, "vllm", "external_cache", "hits")
+            assert hits == (requests - 1) * 2 * 256  # every request but the first: the prefix
+            assert lmcache["retrieve"]["source"] == lmcache["store"]["source"] == "live"
+            assert added(report, "lmcache", "retrieve", "hit_tokens") == hits, report
+            assert added(report, "lmcache", "lookup", "requests") >= requests
+            assert added(report, "lmcache", "lookup", "hit_tokens") >= hits
+            assert added(report, "lmcache", "store", "requests") >= 1
+            assert added(report, "lmcache", "store", "tokens") >= 2 * 256
+
     def test_serve_exits_with_the_log_when_a_child_dies(self, ipv6):
-        serve, proxied = ipv6
+        serve, proxied, _ = ipv6
         os.killpg(serve.pids[0], signal.SIGKILL)
         serve.proc.wait(60)
         assert serve.proc.returncode == 1
