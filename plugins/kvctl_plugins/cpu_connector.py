@@ -6,7 +6,10 @@ cpu connector found"). vLLM's CPU attention keeps each layer's cache as
 that depends on the CPU's instruction set. Rather than hard-coding layouts, the connector asks
 vLLM's own `cpu_attn_reshape_and_cache` where every (token, head, dim) of K and V lands inside a
 block (writing index-encoded values into a scratch block once). A load writes with that same op,
-vLLM's C++ kernel (about twice torch's strided copy on K, which vec/vec16 keep transposed); a store
+vLLM's C++ kernel (about twice torch's strided copy on K, which vec/vec16 keep transposed), except where
+the layout is a strided view and the values are 16-bit (bf16/fp16 on vec/vec16): there _strided_layout.c
+writes K in 8x8 tiles transposed in registers and V a row per token and head (0.22x -> ~0.45x a plain
+copy of the bytes, benchmarks/connector_load_rate.py on AVX2); a store
 reads each run of slots in a block with one strided copy per layer, K and V, or, for a layout that
 is no strided view (AMX), gathers element by element over the probed positions. Where vLLM attends
 with AMX, the connector first asks Linux for AMX tile state (request_amx_tiles), and where the probed
@@ -99,6 +102,18 @@ def amx_loader(layout: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype):
     return _amx_layout.load
 
 
+def strided_loader(strided: list | None, dtype: torch.dtype):
+    """_strided_layout.load where the probed layout is a strided view and the cache holds 16-bit values;
+    else None (no compiled module, or another layout: vLLM's own kernel loads)."""
+    if strided is None or dtype.itemsize != 2:
+        return None
+    try:
+        from kvctl_plugins import _strided_layout
+    except ImportError:
+        return None
+    return _strided_layout.load
+
+
 def request_amx_tiles() -> None:
     """Ask Linux for AMX tile state (arch_prctl XTILEDATA), which a process must do before its first tile
     instruction. vLLM's AMX attention never asks; oneDNN asks on its first large bf16 GEMM. A restarted
@@ -131,6 +146,7 @@ class VLLMCPUPagedConnector:
         self._layout: tuple[torch.Tensor, torch.Tensor] | None = None
         self._strided: list | None = None
         self._amx_load = None
+        self._strided_load = None
         self._isa = ""
         self._block_size = 0
 
@@ -162,6 +178,7 @@ class VLLMCPUPagedConnector:
             strided = [strided_layout(layout) for layout in self._layout]
             self._strided = strided if all(strided) else None
             self._amx_load = amx_loader(self._layout, layer.dtype) if self._isa == "amx" else None
+            self._strided_load = strided_loader(self._strided, layer.dtype)
             self._block_size = block_size
 
     def from_gpu(self, memory_obj, start: int, end: int, **kwargs: Any) -> None:
@@ -204,6 +221,9 @@ class VLLMCPUPagedConnector:
         if self._amx_load is not None:
             self._load_amx(memory_obj, skip, end - start, slots.contiguous())
             return
+        if self._strided_load is not None:
+            self._load_strided(memory_obj, skip, end - start, slots.contiguous())
+            return
         shape = (end - start - skip, self.num_kv_heads, self.head_size)
         for layer_id, layer in enumerate(self.kvcaches):
             key, value = (memory_obj.tensor[which, layer_id, skip:end - start].reshape(shape).to(layer.dtype)
@@ -221,6 +241,18 @@ class VLLMCPUPagedConnector:
             assert layer.is_contiguous() and key.shape[1] == self.num_kv_heads * self.head_size
             self._amx_load(key.data_ptr(), value.data_ptr(), stop - first, key.shape[1], slots.data_ptr(),
                            layer.data_ptr(), layer.shape[0], self.num_kv_heads, self._block_size, self.head_size)
+
+    def _load_strided(self, memory_obj, first: int, stop: int, slots: torch.Tensor) -> None:
+        """Tokens [first, stop) of the memory object into every layer's strided K and V, by
+        _strided_layout.c (addresses of tensors held here, of the dtype and shapes it needs)."""
+        (k_offset, k_strides), (v_offset, v_strides) = self._strided
+        for layer_id, layer in enumerate(self.kvcaches):
+            key, value = (memory_obj.tensor[which, layer_id, first:stop].to(layer.dtype).contiguous()
+                          for which in (0, 1))
+            assert layer.is_contiguous() and key.shape[1] == self.num_kv_heads * self.head_size
+            self._strided_load(key.data_ptr(), value.data_ptr(), stop - first, key.shape[1], slots.data_ptr(),
+                               layer.data_ptr(), layer.shape[0], layer[0].numel(), self._block_size,
+                               self.num_kv_heads, self.head_size, k_offset, *k_strides, v_offset, *v_strides)
 
     def batched_from_gpu(self, memory_objs, starts, ends, **kwargs: Any) -> None:
         for memory_obj, start, end in zip(memory_objs, starts, ends):

@@ -67,16 +67,17 @@ def test_store_and_retrieve_round_trip_through_vllms_cpu_layout(dtype, isa):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("isa", CPU_ATTENTION_ISAS)
+@pytest.mark.parametrize(("isa", "dtype"), [(isa, torch.bfloat16) for isa in CPU_ATTENTION_ISAS]
+                         + [(isa, torch.float32) for isa in CPU_ATTENTION_ISAS if isa != "amx"])
 @pytest.mark.parametrize("slots_kind", ["shuffled", "in runs"])
-def test_a_load_writes_the_cache_byte_for_byte_as_vllms_own_kernel(isa, slots_kind):
-    """Whatever writes the blocks (vLLM's kernel, or _amx_layout.c where the layout is AMX's), a load leaves
-    the cache exactly as vLLM's own cpu_attn_reshape_and_cache leaves it: scattered slots, and runs that
-    start on an odd token (V's token pairs split) and cross blocks."""
+def test_a_load_writes_the_cache_byte_for_byte_as_vllms_own_kernel(isa, dtype, slots_kind):
+    """Whatever writes the blocks (vLLM's kernel; _amx_layout.c where the layout is AMX's; _strided_layout.c
+    where it is a strided view and the values are 16-bit), a load leaves the cache exactly as vLLM's own
+    cpu_attn_reshape_and_cache leaves it: scattered slots, and runs that start on an odd token (V's token
+    pairs split) and cross blocks."""
     from kvctl_plugins.cpu_connector import VLLMCPUPagedConnector
     from vllm import _custom_ops as ops
 
-    dtype = torch.bfloat16 if isa == "amx" else torch.float32
     layers, heads, head_size, block_size, blocks, tokens = 2, 2, 64, 128, 6, 300
     generator = torch.Generator().manual_seed(1)
     if slots_kind == "shuffled":
@@ -98,6 +99,7 @@ def test_a_load_writes_the_cache_byte_for_byte_as_vllms_own_kernel(isa, slots_ki
     connector.batched_to_gpu([loaded], [0], [tokens], kvcaches=caches, slot_mapping=slots)
     assert all(torch.equal(cache, wanted) for cache, wanted in zip(caches, expected))
     assert (connector._amx_load is not None) == (isa == "amx")  # AMX's tiles: the compiled loader wrote them
+    assert (connector._strided_load is not None) == (isa != "amx" and dtype == torch.bfloat16)
 
 
 ATTEND_OVER_LOADED_KV = """
