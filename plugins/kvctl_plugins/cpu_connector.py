@@ -219,10 +219,14 @@ class VLLMCPUPagedConnector:
             return
         slots = kwargs["slot_mapping"][start + skip:end].to(torch.int64)
         if self._amx_load is not None:
-            self._load_amx(memory_obj, skip, end - start, slots.contiguous())
+            self._load_compiled(self._amx_load, memory_obj, skip, end - start, slots.contiguous(),
+                                self.num_kv_heads, self._block_size, self.head_size)
             return
         if self._strided_load is not None:
-            self._load_strided(memory_obj, skip, end - start, slots.contiguous())
+            (k_offset, k_strides), (v_offset, v_strides) = self._strided
+            self._load_compiled(self._strided_load, memory_obj, skip, end - start, slots.contiguous(),
+                                self.kvcaches[0][0].numel(), self._block_size, self.num_kv_heads, self.head_size,
+                                k_offset, *k_strides, v_offset, *v_strides)
             return
         shape = (end - start - skip, self.num_kv_heads, self.head_size)
         for layer_id, layer in enumerate(self.kvcaches):
@@ -232,27 +236,16 @@ class VLLMCPUPagedConnector:
                                                 self.head_size).chunk(2, dim=2)
             ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, self._isa)
 
-    def _load_amx(self, memory_obj, first: int, stop: int, slots: torch.Tensor) -> None:
-        """Tokens [first, stop) of the memory object into the AMX tiles of every layer, by _amx_layout.c
-        (addresses of tensors held here, of the dtype and shapes it needs)."""
+    def _load_compiled(self, load, memory_obj, first: int, stop: int, slots: torch.Tensor, *layout) -> None:
+        """Tokens [first, stop) of the memory object into every layer by a compiled loader (_amx_layout.c
+        or _strided_layout.c; `layout`: the rest of its arguments): addresses of tensors held here, of the
+        dtype and shapes it needs."""
         for layer_id, layer in enumerate(self.kvcaches):
             key, value = (memory_obj.tensor[which, layer_id, first:stop].to(layer.dtype).contiguous()
                           for which in (0, 1))
             assert layer.is_contiguous() and key.shape[1] == self.num_kv_heads * self.head_size
-            self._amx_load(key.data_ptr(), value.data_ptr(), stop - first, key.shape[1], slots.data_ptr(),
-                           layer.data_ptr(), layer.shape[0], self.num_kv_heads, self._block_size, self.head_size)
-
-    def _load_strided(self, memory_obj, first: int, stop: int, slots: torch.Tensor) -> None:
-        """Tokens [first, stop) of the memory object into every layer's strided K and V, by
-        _strided_layout.c (addresses of tensors held here, of the dtype and shapes it needs)."""
-        (k_offset, k_strides), (v_offset, v_strides) = self._strided
-        for layer_id, layer in enumerate(self.kvcaches):
-            key, value = (memory_obj.tensor[which, layer_id, first:stop].to(layer.dtype).contiguous()
-                          for which in (0, 1))
-            assert layer.is_contiguous() and key.shape[1] == self.num_kv_heads * self.head_size
-            self._strided_load(key.data_ptr(), value.data_ptr(), stop - first, key.shape[1], slots.data_ptr(),
-                               layer.data_ptr(), layer.shape[0], layer[0].numel(), self._block_size,
-                               self.num_kv_heads, self.head_size, k_offset, *k_strides, v_offset, *v_strides)
+            load(key.data_ptr(), value.data_ptr(), stop - first, key.shape[1], slots.data_ptr(), layer.data_ptr(),
+                 layer.shape[0], *layout)
 
     def batched_from_gpu(self, memory_objs, starts, ends, **kwargs: Any) -> None:
         for memory_obj, start, end in zip(memory_objs, starts, ends):

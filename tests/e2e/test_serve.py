@@ -111,8 +111,19 @@ def answer(serve: Serve, *args) -> dict:
     return json.loads(result.stdout)
 
 
+def stats(serve: Serve) -> dict:
+    return answer(serve, "stats")["instances"][0]
+
+
 def retrieve_hit_tokens(serve: Serve) -> int:
-    return answer(serve, "stats")["instances"][0]["lmcache"]["retrieve"]["hit_tokens"] or 0
+    return stats(serve)["lmcache"]["retrieve"]["hit_tokens"] or 0
+
+
+def complete(serve: Serve, prompt) -> None:
+    """One token of a completion: the prompt's KV is what the request is for."""
+    body = {"model": serve.state["model"], "prompt": prompt, "max_tokens": 1}
+    answered = http_client().post(f"{serve.state['endpoints']['vllm']}/v1/completions", json=body, timeout=120)
+    assert answered.status_code == 200, answered.text
 
 
 def prompt_file(tmp_path, module="csv"):
@@ -129,13 +140,9 @@ def assert_operator_views(serve, chunks, prompt_tokens):
     assert set(checks) == {"vllm", "internal_api (scheduler)", "internal_api (worker 0)", "offload", "disk"}
     assert all(check["ok"] for check in checks.values())
 
-    def stats():
-        result = serve.kvctl("stats", "--format", "json")
-        assert result.code == 0, result.stderr
-        return json.loads(result.stdout)["instances"][0]
-
-    wait_until(lambda: (stats()["lmcache"]["store"]["tokens"] or 0) >= chunks * 256, 60, "LMCache's store metrics")
-    report = stats()
+    wait_until(lambda: (stats(serve)["lmcache"]["store"]["tokens"] or 0) >= chunks * 256, 60,
+               "LMCache's store metrics")
+    report = stats(serve)
     assert report["vllm"]["prompt_tokens"] >= prompt_tokens
     tiers = {tier["tier"]: tier for tier in report["lmcache"]["tiers"]}
     assert tiers["cpu"]["chunks"] >= chunks and tiers["disk"]["chunks"] >= chunks
@@ -188,9 +195,7 @@ def test_serve_prewarm_lookup_restart_stop_inprocess(tmp_path, tiny_model):
 
     again = Serve(cache)  # same configuration and disk tier: the prompt now hits LMCache from disk
     try:
-        body = {"model": again.state["model"], "prompt": prompt.read_text(), "max_tokens": 1}
-        completion = http_client().post(f"{again.state['endpoints']['vllm']}/v1/completions", json=body, timeout=120)
-        assert completion.status_code == 200
+        complete(again, prompt.read_text())
         log = again.state["processes"][0]["log"]
         wait_until(lambda: re.search(r"LMCache hit tokens: [1-9]", open(log).read()), 30, "an LMCache hit")
     finally:
@@ -263,9 +268,7 @@ def test_serve_mp_prewarm_lookup_restart_and_snapshot_to_a_new_node(tmp_path, ti
         checks = {check["component"]: check["ok"] for check in health["instances"][0]["checks"]}
         assert checks == {"vllm": True, "mp_server": True, "coordinator": True, "disk": True}
         assert_state_and_config_name_the_running_instance(serve, prompt, entry["chunks"], tmp_path)
-        stats = serve.kvctl("stats", "--format", "json")
-        assert stats.code == 0, stats.stderr
-        lmcache = json.loads(stats.stdout)["instances"][0]["lmcache"]
+        lmcache = stats(serve)["lmcache"]
         assert lmcache["lookup"]["tokens"] >= entry["chunks"] * 256  # vLLM asked the server for its full chunks
         assert lmcache["tiers"][0]["tier"] == "cpu" and lmcache["tiers"][0]["chunks"] >= entry["chunks"]
         uncached = greedy(serve, moved.read_text())  # the first request of this prompt: nothing was cached yet
@@ -284,9 +287,7 @@ def test_serve_mp_prewarm_lookup_restart_and_snapshot_to_a_new_node(tmp_path, ti
 
     again = Serve(cache, "--mode", "mp")  # a new server and vLLM: the prompt comes back from the fs L2 tier
     try:
-        body = {"model": again.state["model"], "prompt": prompt.read_text(), "max_tokens": 1}
-        completion = http_client().post(f"{again.state['endpoints']['vllm']}/v1/completions", json=body, timeout=120)
-        assert completion.status_code == 200
+        complete(again, prompt.read_text())
         logs = {process["name"]: process["log"] for process in again.state["processes"]}
         wait_until(lambda: re.search(r"Retrieved [1-9]\d* tokens", open(logs["lmcache-server"]).read()
                                      + open(logs["vllm"]).read()), 30, "a retrieve from LMCache")
@@ -365,17 +366,6 @@ def ipv6(tmp_path_factory, tiny_model):
             if serve.proc.poll() is None:
                 serve.stop()
             serve.assert_nothing_left()
-
-
-def complete(serve, prompt):
-    """One token of a completion: the prompt's KV is what the request is for."""
-    body = {"model": serve.state["model"], "prompt": prompt, "max_tokens": 1}
-    answered = http_client().post(f"{serve.state['endpoints']['vllm']}/v1/completions", json=body, timeout=120)
-    assert answered.status_code == 200, answered.text
-
-
-def stats(serve):
-    return answer(serve, "stats")["instances"][0]
 
 
 @pytest.mark.slow
