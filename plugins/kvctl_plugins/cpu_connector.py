@@ -8,8 +8,8 @@ vLLM's own `cpu_attn_reshape_and_cache` where every (token, head, dim) of K and 
 block (writing index-encoded values into a scratch block once). A load writes with that same op,
 vLLM's C++ kernel (about twice torch's strided copy on K, which vec/vec16 keep transposed), except where
 the layout is a strided view and the values are 16-bit (bf16/fp16 on vec/vec16): there _strided_layout.c
-writes K in 8x8 tiles transposed in registers and V a row per token and head (0.22x -> ~0.45x a plain
-copy of the bytes, benchmarks/connector_load_rate.py on AVX2); a store
+writes K in 8x8 tiles transposed in registers and V 16 bytes at a time, all with streaming stores
+(0.22x -> 0.72x a plain copy of the bytes, benchmarks/connector_load_rate.py); a store
 reads each run of slots in a block with one strided copy per layer, K and V, or, for a layout that
 is no strided view (AMX), gathers element by element over the probed positions. Where vLLM attends
 with AMX, the connector first asks Linux for AMX tile state (request_amx_tiles), and where the probed
