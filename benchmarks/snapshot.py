@@ -9,7 +9,8 @@ emptied database): the load against `redis-benchmark -P 16 -t set` with values o
 save against pipelined GETs of the same names (redis-benchmark's GET would read keys its own SET run
 wrote, mostly missing ones). The
 page cache is warm and no writeback pending at the start of every run; each figure is the best of
-five (this machine's disk throughput varies up to 2x from run to run). Goal (issue: performance): every
+five, the disk runs taken in turn (cp, save, load) in each of five rounds: this machine's disk
+throughput and file creation vary several-fold from minute to minute. Goal (issue: performance): every
 ratio >= 0.95. The last line holds the figures.
 """
 
@@ -36,17 +37,30 @@ from kvctl.core.lmcache.keys import KeyRecipe, disk_file_name, key_string  # noq
 RUNS = 5
 
 
+def timed(run, prepare=lambda: None) -> float:
+    """Seconds of one run, started with no dirty pages pending (os.sync): otherwise a run pays for the
+    writeback of the one before it, and whichever runs later looks slower."""
+    prepare()
+    os.sync()
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
 def best(run, prepare=lambda: None) -> float:
-    """The shortest of RUNS runs, each started with no dirty pages pending (os.sync): otherwise a run pays
-    for the writeback of the one before it, and whichever runs later looks slower."""
-    times = []
+    """The shortest of RUNS runs."""
+    return min(timed(run, prepare) for _ in range(RUNS))
+
+
+def best_side_by_side(runs: dict[str, tuple]) -> dict[str, float]:
+    """The shortest of RUNS rounds of each (run, prepare), taken in turn within every round: this machine's
+    file creation slows several-fold for minutes after heavy churn, and a figure measured minutes apart
+    from the copy it is compared with would measure that instead."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(RUNS):
-        prepare()
-        os.sync()
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        for name, (run, prepare) in runs.items():
+            times[name].append(timed(run, prepare))
+    return {name: min(found) for name, found in times.items()}
 
 
 def configuration(root: Path, tier: str) -> Path:
@@ -101,12 +115,14 @@ def main() -> None:
             (root / "a" / "disk" / disk_file_name(key)).write_bytes(data)
         snap = root / "disk.kvsnap"
 
-        cp_s = best(lambda: subprocess.run(["cp", "-r", str(root / "a" / "disk"), str(root / "copy")], check=True),
-                    lambda: shutil.rmtree(root / "copy", ignore_errors=True))
-        save_s = best(lambda: snapshot.save(source, snap, [], keys), lambda: snap.unlink(missing_ok=True))
         target = OfflineInstance(configuration(root / "b", f"disk:{root}/b/disk:64"), "bench", "bfloat16")
-        load_s = best(lambda: snapshot.load(snap, target, "disk"),
-                      lambda: shutil.rmtree(root / "b" / "disk", ignore_errors=True))
+        disk = best_side_by_side({
+            "cp": (lambda: subprocess.run(["cp", "-r", str(root / "a" / "disk"), str(root / "copy")], check=True),
+                   lambda: shutil.rmtree(root / "copy", ignore_errors=True)),
+            "save": (lambda: snapshot.save(source, snap, [], keys), lambda: snap.unlink(missing_ok=True)),
+            "load": (lambda: snapshot.load(snap, target, "disk"),
+                     lambda: shutil.rmtree(root / "b" / "disk", ignore_errors=True))})
+        cp_s, save_s, load_s = disk["cp"], disk["save"], disk["load"]
         assert len(os.listdir(root / "b" / "disk")) == count, "the load did not write every chunk"
         snap.unlink()
         shutil.rmtree(root / "copy")
