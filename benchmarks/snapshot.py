@@ -9,8 +9,8 @@ emptied database): the load against `redis-benchmark -P 16 -t set` with values o
 save against pipelined GETs of the same names (redis-benchmark's GET would read keys its own SET run
 wrote, mostly missing ones). The
 page cache is warm and no writeback pending at the start of every run; each figure is the best of
-five, the disk runs taken in turn (cp, save, load) in each of five rounds: this machine's disk
-throughput and file creation vary several-fold from minute to minute. Goal (issue: performance): every
+five, the disk runs taken in turn (cp, save, load) in each of five rounds after an untimed one: this
+machine's disk throughput and file creation vary several-fold from minute to minute. Goal (issue: performance): every
 ratio >= 0.95. The last line holds the figures.
 """
 
@@ -53,13 +53,19 @@ def best(run, prepare=lambda: None) -> float:
 
 
 def best_side_by_side(runs: dict[str, tuple]) -> dict[str, float]:
-    """The shortest of RUNS rounds of each (run, prepare), taken in turn within every round: this machine's
-    file creation slows several-fold for minutes after heavy churn, and a figure measured minutes apart
-    from the copy it is compared with would measure that instead."""
+    """The shortest of RUNS rounds of each (run, prepare), taken in turn within every round, after one
+    untimed round. On this machine's ext4, creating files within about 30 s of deleting many is several
+    times slower: every timed run follows the same deletion of its last output, and a figure measured
+    minutes apart from the copy it is compared with would measure the file system's state instead. (The
+    untimed round also keeps a first run's imports out of the figures.)"""
     times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(RUNS):
+    for round_ in range(RUNS + 1):
         for name, (run, prepare) in runs.items():
-            times[name].append(timed(run, prepare))
+            took = timed(run, prepare)
+            if round_:
+                times[name].append(took)
+    print("  rounds (s): " + "; ".join(f"{name} " + " ".join(f"{took:.2f}" for took in found)
+                                       for name, found in times.items()))
     return {name: min(found) for name, found in times.items()}
 
 

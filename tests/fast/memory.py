@@ -219,7 +219,7 @@ class MemoryInstance(ChunkKeyed):
                 already += 1
                 continue
             store.names.add(chunk.key)
-            self.data[chunk.key] = bytes(chunk.payload())
+            self.data[chunk.key] = bytes(chunk.data)
             written += 1
         return {"written": {store.tier: written}, "already": {store.tier: already}}
 

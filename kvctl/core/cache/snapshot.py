@@ -18,7 +18,6 @@ while it writes, made visible only once all matched) and reports per prompt what
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import math
 import mmap
@@ -34,7 +33,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvctl.core.common.file_extent import BufferRing, FileExtent
 from kvctl.core.errors import ExitCode, KvctlError, UsageError
 from kvctl.core.instance.protocol import StoredChunk
 
@@ -52,7 +50,6 @@ KEY_FORMATS = {  # an instance's `key_format` -> one key of it, for messages (a 
 CHECKSUM = re.compile(r"[0-9a-f]{64}").fullmatch  # a BLAKE3 digest, hex
 VERIFYING_THREADS = 2  # blake3 lets go of the GIL: a load checks chunks on both cores (ahead of staged writes)
 IN_FLIGHT = 16  # chunks held in memory while their checksums are computed
-STREAM_BUFFERS = 8  # a streamed load's buffers: 6 chunks read and hashed ahead of the one being written
 LS_HINT = "kvctl snapshot ls FILE shows what it holds and what made its keys"
 _OVER_CAP = f"more than the {MAX_MANIFEST_BYTES >> 20} MiB kvctl loads"
 # LMCache's RemoteMetadata header (lmcache/v1/protocol.py): native int32s length, fmt, then per group a dtype
@@ -186,17 +183,14 @@ def save(instance, out: Path, prompts: list[SavedPrompt], keys: Sequence[str] = 
     temporary = out.with_name(f".{out.name}.{os.getpid()}.partial")
     try:
         fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "wb") as sink, ThreadPoolExecutor(1) as hashing:  # the other core hashes
+        with os.fdopen(fd, "wb") as sink, ThreadPoolExecutor(1) as hashing:  # the other core copies
             pending: deque = deque()
-            ring = BufferRing(IN_FLIGHT + 1)  # a buffer is read into again once its chunk is hashed
             for number, chunk in enumerate(instance.read_chunks(wanted)):
-                member, size = f"chunks/{number:06d}", chunk.size
-                data = chunk.data
-                if isinstance(data, FileExtent):  # a disk tier's file: into a buffer of the ring
-                    data = data.read_into(ring.slot(number, size))
-                pending.append((chunk, member, size, hashing.submit(checksum, data)))
+                member = f"chunks/{number:06d}"
+                size = memoryview(chunk.data).nbytes
+                pending.append((chunk, member, size, hashing.submit(checksum, chunk.data)))
                 sink.write(_member_header(member, size))
-                sink.write(data)
+                sink.write(chunk.data)
                 sink.write(bytes(-size % BLOCK))
                 while pending and (len(pending) > IN_FLIGHT or pending[0][3].done()):
                     manifest.chunks.append(_entry(*pending.popleft()))
@@ -307,45 +301,18 @@ class Snapshot:
         offset, size = self._extents[entry.member]
         return memoryview(self._map)[offset:offset + size]
 
-    def verified_chunks(self, streamed: bool = False) -> Iterator[StoredChunk]:
+    def verified_chunks(self) -> Iterator[StoredChunk]:
         """The chunks in order, each yielded once its checksum matched the manifest's (computed ahead on
-        other threads); the first that does not raises, and none after it is yielded. Views of the
-        mapped file, or, `streamed`, for a consumer done with each chunk before it takes the next (a
-        staged disk write): each read into a ring of buffers and hashed there, in cache, on one thread,
-        which a load into a disk directory runs at about twice the speed of hashing the mapped file."""
-        if streamed:
-            yield from self._streamed_chunks()
-            return
-
+        other threads); the first that does not raises, and none after it is yielded."""
         def digest(entry: ChunkEntry) -> tuple[ChunkEntry, str]:
             return entry, checksum(self.view(entry))
 
         with ThreadPoolExecutor(VERIFYING_THREADS) as pool:
             for entry, found in pool.map(digest, self.manifest.chunks):
-                yield self._verified(entry, found, self.view(entry))
-
-    def _streamed_chunks(self) -> Iterator[StoredChunk]:
-        ring = BufferRing(STREAM_BUFFERS)
-
-        def read_and_digest(number: int, entry: ChunkEntry) -> tuple[ChunkEntry, memoryview, str]:
-            offset, size = self._extents[entry.member]
-            data = FileExtent(self._file.fileno(), offset, size).read_into(ring.slot(number, size))
-            return entry, data, checksum(data)
-
-        entries = enumerate(self.manifest.chunks)
-        with ThreadPoolExecutor(1) as pool:  # chunk n's buffer is read into again once chunk n + 2 is taken
-            ahead = deque(pool.submit(read_and_digest, *item) for item in itertools.islice(entries, len(ring) - 2))
-            while ahead:
-                entry, data, found = ahead.popleft().result()
-                following = next(entries, None)
-                if following is not None:
-                    ahead.append(pool.submit(read_and_digest, *following))
-                yield self._verified(entry, found, data)
-
-    def _verified(self, entry: ChunkEntry, found: str, data: memoryview) -> StoredChunk:
-        if found != entry.blake3:
-            raise self.bad(f"the checksum of chunk {entry.key} does not match (the file was changed)")
-        return StoredChunk(entry.key, data, bytes.fromhex(entry.metadata) if entry.metadata else None)
+                if found != entry.blake3:
+                    raise self.bad(f"the checksum of chunk {entry.key} does not match (the file was changed)")
+                metadata = bytes.fromhex(entry.metadata) if entry.metadata else None
+                yield StoredChunk(entry.key, self.view(entry), metadata)
 
 
 def parse_manifest(data: Any, extents: dict[str, tuple[int, int]], bad) -> Manifest:
@@ -556,9 +523,8 @@ def load(path: Path, instance, tier: str | None = None, model: str | None = None
     with Snapshot(path) as snapshot:
         check_compatible(snapshot, instance, model)
         manifest = snapshot.manifest
-        staged = instance.stages_writes(tier)
-        chunks = snapshot.verified_chunks(streamed=staged)
-        if not staged:
+        chunks = snapshot.verified_chunks()
+        if not instance.stages_writes(tier):
             chunks = list(chunks)  # every checksum checked before the first chunk leaves
         written = instance.write_chunks(chunks, tier)
     if instance.settle_s and manifest.prompts:
@@ -613,7 +579,7 @@ def copy(source, target, prompts: list[SavedPrompt], model: str | None = None, t
         saved = save(source, path, prompts, (), model)
         loaded = load(path, target, tier, model)
     expected = {entry.key: entry.blake3 for entry in saved.manifest.chunks}
-    given_back = {chunk.key: checksum(chunk.payload()) for chunk in target.read_chunks(list(expected))}
+    given_back = {chunk.key: checksum(chunk.data) for chunk in target.read_chunks(list(expected))}
     return CopyReport(source.name, saved, loaded, [key for key, digest in expected.items()
                                                    if given_back.get(key) != digest])
 

@@ -251,11 +251,11 @@ def batched_writes(chunks: Iterable, write: Callable[[Any, bytes], dict[str, Any
 
     for chunk in chunks:
         to = destination(chunk)
-        if to in pending and pending[to][1] + chunk.size > WRITE_BATCH_BYTES:
+        if to in pending and pending[to][1] + len(chunk.data) > WRITE_BATCH_BYTES:
             send(to)
         parts, size = pending.get(to, ([], 0))
-        parts += [frame_header(chunk.key, chunk.size, chunk.metadata), chunk.payload()]
-        pending[to] = (parts, size + chunk.size)
+        parts += [frame_header(chunk.key, len(chunk.data), chunk.metadata), chunk.data]
+        pending[to] = (parts, size + len(chunk.data))
     for to in list(pending):
         send(to)
     return totals

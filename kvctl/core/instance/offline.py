@@ -17,7 +17,7 @@ import signal
 import stat
 import threading
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -32,7 +32,6 @@ from kvctl.core.cache.listing import (
     stored_redis_keys,
     unlink_chunks,
 )
-from kvctl.core.common.file_extent import FileExtent
 from kvctl.core.errors import KvctlError, UsageError
 from kvctl.core.instance.protocol import (
     EvictionPlan,
@@ -136,22 +135,14 @@ class DirectoryStore:
     # -- chunk bytes (snapshots; LMCache's disk layout: a file is the chunk's data alone) ------------
 
     def read(self, keys: Sequence[str]) -> Iterator[StoredChunk]:
-        """The held chunks, each as its open file (a FileExtent, closed once the next chunk is asked for);
-        a name that is not a regular file (a symlink, a FIFO, a directory) is skipped, so its key counts
-        as missing."""
+        """The held chunks' bytes; a name that is not a regular file (a symlink, a FIFO, a directory) is
+        skipped, so its key counts as missing."""
         for key in keys:
             for directory in self.store.directories:
-                opened = _open_regular(os.path.join(directory, self.file_name(key)))
-                if opened is None:
-                    continue
-                fd, size = opened
-                extent = FileExtent(fd, 0, size)
-                try:
-                    yield StoredChunk(key, extent)
-                finally:
-                    extent.close()
-                    os.close(fd)
-                break
+                data = _read_regular(os.path.join(directory, self.file_name(key)))
+                if data is not None:
+                    yield StoredChunk(key, data)
+                    break
 
     def write(self, chunks: Iterable[StoredChunk]) -> tuple[int, int, int]:
         """(written, already there, dropped): every chunk to a hidden temporary file, all renamed to their
@@ -174,7 +165,7 @@ class DirectoryStore:
                     if name in present:
                         already += 1
                         continue
-                    size = chunk.size
+                    size = memoryview(chunk.data).nbytes
                     if size > room:
                         dropped += 1
                         continue
@@ -182,7 +173,7 @@ class DirectoryStore:
                     present.add(name)
                     path = os.path.join(directory, name)
                     partial = os.path.join(directory, partial_name(name))
-                    _write_new(path, partial, chunk.payload(), staged)
+                    _write_new(path, partial, chunk.data, staged)
                 for partial, path in staged:
                     _renamed(partial, path)
             except BaseException:
@@ -272,7 +263,7 @@ class RedisStore:
         with RedisTier(self.store.redis) as redis:
             redis.set_values((name, value) for chunk in going
                              for name, value in zip(redis_chunk_names(chunk.key, self.store.layout),
-                                                    (chunk.payload(), chunk.metadata)))
+                                                    (chunk.data, chunk.metadata)))
         return len(going), len(held), 0
 
 
@@ -578,8 +569,7 @@ class OfflineInstance(NoManagement):
                 yield from store.read(held)  # one chunk at a time: a batch held in memory made a save twice as slow
             else:
                 for start in range(0, len(held), READ_BATCH):
-                    batch = store.read(held[start:start + READ_BATCH])  # each read before its file closes
-                    yield from redis.with_metadata([replace(chunk, data=chunk.payload()) for chunk in batch])
+                    yield from redis.with_metadata(list(store.read(held[start:start + READ_BATCH])))
             taken = set(held)
             remaining = [key for key in remaining if key not in taken]
 
@@ -639,9 +629,9 @@ class OfflineInstance(NoManagement):
         raise Unsupported("prefetch loads chunks into a running engine's CPU tier", hint=NEEDS_ENGINE_HINT)
 
 
-def _open_regular(path: str) -> tuple[int, int] | None:
-    """A regular file opened for reading, and its size; None when there is none: a FIFO is never waited
-    on, and a symlink is no chunk (never followed: it could point at any file this user may read)."""
+def _read_regular(path: str) -> bytes | None:
+    """A regular file's bytes; None when there is none: a FIFO is never waited on, and a symlink is no
+    chunk (never followed: it could point at any file this user may read)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except (FileNotFoundError, IsADirectoryError):
@@ -651,11 +641,8 @@ def _open_regular(path: str) -> tuple[int, int] | None:
             return None
         raise KvctlError(f"cannot read {path}: {error.strerror}", hint="run kvctl as a user that can read the "
                          "disk tier directory") from None
-    info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode):
-        os.close(fd)
-        return None
-    return fd, info.st_size
+    with os.fdopen(fd, "rb") as file:
+        return file.read() if stat.S_ISREG(os.fstat(fd).st_mode) else None
 
 
 def _write_new(path: str, partial: str, data: bytes | memoryview, staged: list[tuple[str, str]]) -> None:

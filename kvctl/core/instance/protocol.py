@@ -25,7 +25,6 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvctl.core.common.file_extent import FileExtent
 from kvctl.core.errors import KvctlError, UsageError
 
 if TYPE_CHECKING:
@@ -303,20 +302,11 @@ class Unpinned:
 @dataclass(frozen=True)
 class StoredChunk:
     """One chunk as a tier keeps it (snapshots): LMCache's data bytes under its key, and LMCache's
-    RemoteMetadata header (shape, dtype, format) where the tier keeps one (Redis does, a disk file not).
-    The bytes may be a FileExtent (a disk tier's chunk file, a snapshot's member), which a consumer
-    writing a file copies in the kernel; payload() gives them as bytes to any other."""
+    RemoteMetadata header (shape, dtype, format) where the tier keeps one (Redis does, a disk file not)."""
 
     key: str
-    data: bytes | memoryview | FileExtent
+    data: bytes | memoryview
     metadata: bytes | None = None
-
-    @property
-    def size(self) -> int:
-        return self.data.size if isinstance(self.data, FileExtent) else memoryview(self.data).nbytes
-
-    def payload(self) -> bytes | memoryview:
-        return self.data.read() if isinstance(self.data, FileExtent) else self.data
 
 
 class ChunkStore(Protocol):
