@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -114,6 +115,11 @@ async def _prefill_all(url: str, model: str, prompts: list[Prompt], concurrency:
 
     limit = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=600, trust_env=False) as client:
+        # httpx loads its transport (80 modules, ~25 ms) on the first request: made here, before the clock,
+        # a prompt's time is the server's (an error here shows again on every prompt)
+        with contextlib.suppress(httpx.HTTPError):
+            await client.get(f"{url}/v1/models")
+
         async def one(prompt: Prompt) -> Outcome:
             async with limit:
                 outcome = await _send(client, url, model, prompt)
@@ -200,7 +206,7 @@ class PrewarmReport:
 
 
 def prewarm(instance, prompts: list[Prompt], concurrency: int, from_lower_tier: bool,
-            on_done: Callable[[Outcome], None] | None = None) -> PrewarmReport:
+            on_done: Callable[[Outcome], None] = lambda outcome: None) -> PrewarmReport:
     """Prefill the prompts through the instance's vLLM (or, `from_lower_tier`, prefetch what a lower
     tier holds into the CPU tier), then look each one up as `kvctl lookup` would."""
     from kvctl.clients.vllm import VLLMClient
