@@ -1,17 +1,16 @@
 """`kvctl snapshot save` and `load` throughput for 1 GiB of chunks, against copying the same bytes.
 
 Disk: a configuration's disk directory holds 1 GiB of chunk files (LocalDiskBackend's names and sizes);
-kvctl saves them into one snapshot (BLAKE3 per chunk) and loads that into another configuration's
-empty disk directory (each chunk written under a hidden name as its checksum is verified, all renamed
-once every one matched), each against `cp -r` of the chunk directory. Redis: the same chunks in a
-redis-server on 127.0.0.1 (both of LMCache's names per chunk), saved from and loaded into it (an
-emptied database): the load against `redis-benchmark -P 16 -t set` with values of the chunk size, the
-save against pipelined GETs of the same names (redis-benchmark's GET would read keys its own SET run
-wrote, mostly missing ones). The
-page cache is warm and no writeback pending at the start of every run; each figure is the best of
-five, the disk runs taken in turn (cp, save, load) in each of five rounds after an untimed one: this
-machine's disk throughput and file creation vary several-fold from minute to minute. Goal (issue: performance): every
-ratio >= 0.95. The last line holds the figures.
+kvctl saves them into one snapshot (BLAKE3 per chunk) and loads that into another configuration's empty
+disk directory (each chunk written under a hidden name as its checksum is verified, all renamed once
+every one matched), each against `cp -r` of the chunk directory. Redis: the same chunks in a
+redis-server on 127.0.0.1 (both of LMCache's names per chunk), saved from and loaded into it (an emptied
+database): the load against `redis-benchmark -P 16 -t set` with values of the chunk size, the save
+against pipelined GETs of the same names (redis-benchmark's GET would read keys its own SET run wrote,
+mostly missing ones). The page cache is warm and no writeback pending at the start of every run; each
+figure is the best of five, the disk runs taken in turn (cp, save, load) in each of five rounds after an
+untimed one: this machine's disk throughput and file creation vary several-fold from minute to minute.
+Goal (issue: performance): every ratio >= 0.95. The last line holds the figures.
 """
 
 from __future__ import annotations
@@ -54,10 +53,10 @@ def best(run, prepare=lambda: None) -> float:
 
 def best_side_by_side(runs: dict[str, tuple]) -> dict[str, float]:
     """The shortest of RUNS rounds of each (run, prepare), taken in turn within every round, after one
-    untimed round. On this machine's ext4, creating files within about 30 s of deleting many is several
-    times slower: every timed run follows the same deletion of its last output, and a figure measured
-    minutes apart from the copy it is compared with would measure the file system's state instead. (The
-    untimed round also keeps a first run's imports out of the figures.)"""
+    untimed round. File creation on this machine slows several-fold for minutes at a time (1024 creates:
+    0.02 s to 0.9 s, most often after many deletions): every timed run follows the same deletion of its
+    last output, and a figure measured minutes apart from the copy it is compared with would measure the
+    file system's state instead. (The untimed round also keeps a first run's imports out of the figures.)"""
     times: dict[str, list[float]] = {name: [] for name in runs}
     for round_ in range(RUNS + 1):
         for name, (run, prepare) in runs.items():

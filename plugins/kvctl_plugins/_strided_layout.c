@@ -172,7 +172,6 @@ static PyObject *load(PyObject *module_self, PyObject *args) {
         const Py_ssize_t lead = streamable ? (to_aligned < count ? to_aligned : count) : count;
         const Py_ssize_t tail = streamable ? lead + (count - lead) / TILE * TILE : count;
         for (Py_ssize_t h = 0; h < heads; h++) {
-            const Strides *both[2] = {&k, &v};
             const uint16_t *rows[2] = {key + first * row + h * dims, value + first * row + h * dims};
             for (int which = 0; which < 2; which++) {
                 head_run(block, both[which], rows[which], row, lead, t0, h, dims);

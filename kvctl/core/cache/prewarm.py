@@ -115,7 +115,7 @@ async def _prefill_all(url: str, model: str, prompts: list[Prompt], concurrency:
 
     limit = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=600, trust_env=False) as client:
-        # httpx loads its transport (80 modules, ~25 ms) on the first request: made here, before the clock,
+        # httpx loads its transport (82 modules, ~28 ms) on the first request: made here, before the clock,
         # a prompt's time is the server's (an error here shows again on every prompt)
         with contextlib.suppress(httpx.HTTPError):
             await client.get(f"{url}/v1/models")
